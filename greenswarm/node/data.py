@@ -1,0 +1,407 @@
+"""Token batches for pretraining, from disjoint per-site shards of a text corpus.
+
+Every site of a swarm reads the same corpus in the same deterministic document order, and document
+``i`` belongs to shard ``i % num_shards``: sites never train on each other's documents, without any
+coordination beyond their shard index. Sources:
+
+* ``"stdlib"`` -- the installed Python standard library's ``.py`` files: always present and offline,
+  so demos and tests need no download (sites must run the same Python version to agree on it);
+* a local file, directory or glob of ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, streamed
+  through ``datasets`` (a ``.txt`` line is one document, as in ``datasets``' ``text`` builder);
+* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"`` -- a Hub dataset, streamed (for real runs with a network).
+
+Documents are tokenized lazily, joined with the tokenizer's EOS and cut into fixed windows, so the
+first batch is ready at once however large the corpus. ``datasets`` is imported only for the
+sources that need it, which keeps ``import greenswarm.node.data`` cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from greenswarm.errors import ConfigError
+
+# File suffix -> the ``datasets`` packaged builder that reads it.
+BUILDERS: dict[str, str] = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+# Directories of the standard library that are not representative source code (or not stdlib).
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+# Documents of a streamed dataset are shuffled within a buffer of this many (a full shuffle would
+# need the whole shard in memory); smaller shards are shuffled completely.
+SHUFFLE_BUFFER = 10_000
+
+
+@dataclass
+class DataConfig:
+    """Where a site's training tokens come from and which disjoint shard of them it reads."""
+
+    source: str = "stdlib"  # "stdlib", a local file/dir/glob, or "hf:NAME[:CONFIG]"
+    text_field: str = "text"  # column holding the text in .jsonl/.json/.parquet and Hub datasets
+    split: str = "train"  # Hub datasets only; local files form a single split
+    seq_len: int = 128
+    shard_index: int = 0
+    num_shards: int = 1
+    seed: int = 0  # document order: epoch e is shuffled with seed + e
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (field = this dataclass's field name) for a bad value."""
+        for name in ("source", "text_field", "split"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"must be a non-empty string, got {value!r}", field=name)
+        for name in ("seq_len", "shard_index", "num_shards", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"must be an integer, got {value!r}", field=name)
+        if self.seq_len < 8:
+            raise ConfigError(f"must be at least 8, got {self.seq_len}", field="seq_len")
+        if self.num_shards < 1:
+            raise ConfigError(f"must be at least 1, got {self.num_shards}", field="num_shards")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(
+                f"must be in [0, num_shards={self.num_shards}), got {self.shard_index}", field="shard_index"
+            )
+        if self.seed < 0:
+            raise ConfigError(f"must be non-negative, got {self.seed}", field="seed")
+        if self.source.startswith("hf:") and not self.source[3:].split(":")[0].strip():
+            raise ConfigError("'hf:' must be followed by a dataset name: 'hf:NAME[:CONFIG]'", field="source")
+
+
+def sub_shard(cfg: DataConfig, rank: int, world: int) -> DataConfig:
+    """The shard of process ``rank`` of ``world`` (torchrun) within its site's shard ``cfg``.
+
+    Returns ``shard_index = cfg.shard_index + cfg.num_shards * rank`` and ``num_shards =
+    cfg.num_shards * world``. Since ``i % (S * W) == s + S * r`` implies ``i % S == s``, the ranks of
+    a site read exactly the site's documents, split disjointly, *whatever the site's world size* --
+    so sites with different numbers of GPUs never overlap. (The layout ``s * W + r`` is disjoint only
+    while every site has the same ``W``, and changes a site's documents when its ``W`` changes.)
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+    index = cfg.shard_index + cfg.num_shards * rank
+    return replace(cfg, shard_index=index, num_shards=cfg.num_shards * world)
+
+
+# ----------------------------------------------------------------------------------------- sources
+
+
+class _Source(Protocol):
+    def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
+        """``(corpus index, text)`` of this shard's documents in epoch ``epoch``'s order, from ``start``."""
+        ...
+
+
+class _StdlibSource:
+    """The standard library's ``.py`` files, sorted by relative path; read only when reached."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        self.root = sysconfig.get_paths()["stdlib"]
+        self.files = stdlib_files(self.root)
+        self.shard = [i for i in range(len(self.files)) if i % cfg.num_shards == cfg.shard_index]
+
+    def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
+        order = list(self.shard)
+        random.Random(self.cfg.seed + epoch).shuffle(order)
+        for index in order[start:]:
+            path = os.path.join(self.root, self.files[index])
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+            except OSError:  # vanished or unreadable: an empty document keeps positions stable
+                text = ""
+            yield index, text
+
+
+class _DatasetSource:
+    """Local files or a Hub dataset, streamed through ``datasets`` in the dataset's own order."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        # (description, IterableDataset, column) streamed one after the other.
+        self.parts: list[tuple[str, Any, str]] = []
+        if cfg.source.startswith("hf:"):
+            self._open_hub()
+        else:
+            self._open_local()
+
+    def _open_hub(self) -> None:
+        spec = self.cfg.source[3:]
+        name, _, config = spec.partition(":")
+        import datasets  # heavy; only for this source
+
+        try:
+            ds = datasets.load_dataset(name, config or None, split=self.cfg.split, streaming=True)
+        except Exception as e:  # ConnectionError offline, DatasetNotFoundError, ValueError for a split, ...
+            offline = " (HF_HUB_OFFLINE is set)" if datasets.config.HF_HUB_OFFLINE else ""
+            raise ConfigError(
+                f"cannot open Hub dataset {spec!r} split {self.cfg.split!r}{offline}: "
+                f"{type(e).__name__}: {e}. Hub datasets need network access; offline, pass a local "
+                "file or directory (or 'stdlib')",
+                field="source",
+            ) from e
+        self.parts.append((self.cfg.source, ds, self.cfg.text_field))
+
+    def _open_local(self) -> None:
+        files = local_files(self.cfg.source)
+        groups: dict[str, list[str]] = {}
+        for path in files:  # builders in order of first appearance; files sorted within each
+            groups.setdefault(_builder(path), []).append(path)
+        import datasets  # heavy; only for this source
+
+        for builder, paths in groups.items():
+            try:
+                with _no_download_count(datasets):
+                    ds = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True)
+            except Exception as e:
+                raise ConfigError(
+                    f"cannot read {self.cfg.source!r} as {builder}: {type(e).__name__}: {e}", field="source"
+                ) from e
+            column = "text" if builder == "text" else self.cfg.text_field
+            self.parts.append((f"{self.cfg.source} ({builder})", ds, column))
+
+    def _shard_stream(self) -> Iterator[tuple[int, str]]:
+        """This shard's documents in corpus order: document ``i`` when ``i % num_shards == shard``."""
+        n, k = self.cfg.num_shards, self.cfg.shard_index
+        i = 0
+        for where, ds, column in self.parts:
+            for row in ds:
+                if i % n == k:
+                    yield i, _row_text(row, column, where)
+                i += 1
+
+    def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
+        # Shuffle *after* sharding and in Python: ``IterableDataset.shuffle`` also reorders the source
+        # files, which would move documents between shards from one epoch to the next.
+        docs = _buffer_shuffle(self._shard_stream(), SHUFFLE_BUFFER, random.Random(self.cfg.seed + epoch))
+        for pos, doc in enumerate(docs):
+            if pos >= start:
+                yield doc
+
+
+def open_source(cfg: DataConfig) -> _Source:
+    """The document source of ``cfg``; missing paths and unreachable datasets fail here, eagerly."""
+    cfg.validate()
+    if cfg.source == "stdlib":
+        return _StdlibSource(cfg)
+    return _DatasetSource(cfg)
+
+
+def iter_documents(cfg: DataConfig, epoch: int = 0) -> Iterator[tuple[int, str]]:
+    """``(corpus index, text)`` of the documents of ``cfg``'s shard, in epoch ``epoch``'s order."""
+    return open_source(cfg).documents(epoch)
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+    """Relative paths of the standard library's ``.py`` files (tests and site-packages excluded), sorted."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
+        rel = os.path.relpath(dirpath, root)
+        for name in filenames:
+            if name.endswith(".py"):
+                files.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+    return sorted(files)
+
+
+def local_files(source: str) -> list[str]:
+    """The supported files named by ``source`` (a file, a directory searched recursively, a glob), sorted."""
+    path = os.path.expanduser(source)
+    supported = ", ".join(BUILDERS)
+    if glob.has_magic(path):
+        matches = sorted(glob.glob(path, recursive=True))
+        files = [m for m in matches if os.path.isfile(m) and _builder(m)]
+        if not matches:
+            raise ConfigError(f"no file matches {source!r}", field="source")
+        if not files:
+            raise ConfigError(f"no {supported} file matches {source!r}", field="source")
+        return files
+    if os.path.isdir(path):
+        files = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".") and _builder(f)]
+        if not files:
+            raise ConfigError(f"directory {source!r} has no {supported} files", field="source")
+        return sorted(files)
+    if os.path.isfile(path):
+        if not _builder(path):
+            raise ConfigError(f"{source!r} is not a {supported} file", field="source")
+        return [path]
+    raise ConfigError(
+        f"{source!r} does not exist (expected 'stdlib', 'hf:NAME[:CONFIG]' or a local file, directory, glob)",
+        field="source",
+    )
+
+
+@contextlib.contextmanager
+def _no_download_count(datasets: Any) -> Iterator[None]:
+    """Stop ``load_dataset`` from pinging the Hub to count a *local* load.
+
+    Unless HF_HUB_OFFLINE is set, each packaged-builder load sends a HEAD request to the Hub; without
+    a network that stalls for seconds (DNS) per load, for a purely local read.
+    """
+    config = datasets.config
+    old = getattr(config, "HF_UPDATE_DOWNLOAD_COUNTS", None)
+    config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        if old is None:
+            del config.HF_UPDATE_DOWNLOAD_COUNTS
+        else:
+            config.HF_UPDATE_DOWNLOAD_COUNTS = old
+
+
+def _builder(path: str) -> str:
+    return BUILDERS.get(os.path.splitext(path)[1].lower(), "")
+
+
+def _row_text(row: dict[str, Any], column: str, where: str) -> str:
+    if column not in row:
+        columns = ", ".join(map(repr, row))
+        raise ConfigError(f"{where} has no column {column!r}; its columns are {columns}", field="text_field")
+    value = row[column]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"column {column!r} of {where} holds {type(value).__name__}, not text", field="text_field"
+        )
+    return value
+
+
+def _buffer_shuffle(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Approximately shuffle a stream, holding at most ``size`` items; exact when it is shorter."""
+    buffer: list[Any] = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = rng.randrange(size)
+        yield buffer[j]
+        buffer[j] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# ----------------------------------------------------------------------------------------- batches
+
+
+class TokenBatches:
+    """An endless iterable of ``(batch_size, seq_len + 1)`` LongTensor windows of one shard.
+
+    Inputs are ``batch[:, :-1]`` and labels ``batch[:, 1:]``. Documents are tokenized, each followed
+    by the tokenizer's EOS, concatenated, and cut into consecutive windows of ``seq_len + 1`` tokens;
+    after the shard's last document the next epoch begins, in a new order (seed ``cfg.seed + epoch``).
+
+    The position (epoch, document, token offset) is exact, so :meth:`state_dict` /
+    :meth:`load_state_dict` resume at the next unseen token by skipping whole documents without
+    tokenizing them. A new ``iter()`` continues from the current position.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, batch_size: int):
+        cfg.validate()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"must be a positive integer, got {batch_size!r}", field="batch_size")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.eos_id = int(tokenizer.eos_id)
+        self._source = open_source(cfg)
+        self._batches = 0
+        self._epoch = 0
+        self._doc = 0  # position in the epoch's document order of the next unconsumed token
+        self._offset = 0  # tokens of that document already consumed
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens trained on per batch (predicted positions): ``batch_size * seq_len``."""
+        return self.batch_size * self.cfg.seq_len
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (after a batch that ends an epoch, the next one starts on the next read)."""
+        return self._epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch starts, plus the data settings the position is only valid for."""
+        return {
+            "batches": self._batches,
+            "epoch": self._epoch,
+            "document": self._doc,
+            "offset": self._offset,
+            "data": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` was taken; iterators created afterwards start there."""
+        saved = state.get("data")
+        if saved is not None and saved != self._fingerprint():
+            raise ConfigError(
+                f"the data position was saved for {saved}, but the data is now {self._fingerprint()}; "
+                "the shard or order changed, so the position cannot be resumed"
+            )
+        self._batches = int(state["batches"])
+        self._epoch = int(state["epoch"])
+        self._doc = int(state["document"])
+        self._offset = int(state["offset"])
+
+    def _fingerprint(self) -> dict[str, Any]:
+        d = asdict(self.cfg)
+        d.pop("seq_len")  # the position is in tokens, so a new window length can resume it
+        d["tokenizer"] = repr(self.tokenizer)
+        return d
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        window = self.cfg.seq_len + 1
+        need = self.batch_size * window
+        docs = self._tokenized(self._epoch, self._doc, self._offset)
+        # The first document comes with its resume offset; start from an exhausted empty one.
+        epoch, doc, offset, tokens = self._epoch, self._doc, 0, torch.empty(0, dtype=torch.long)
+        while True:
+            pieces: list[torch.Tensor] = []
+            missing = need
+            while missing:
+                if len(tokens) == offset:
+                    epoch, doc, offset, tokens = next(docs)
+                take = min(missing, len(tokens) - offset)
+                pieces.append(tokens[offset : offset + take])
+                offset += take
+                missing -= take
+            if offset == len(tokens):  # the next token is the start of the following document
+                self._epoch, self._doc, self._offset = epoch, doc + 1, 0
+            else:
+                self._epoch, self._doc, self._offset = epoch, doc, offset
+            self._batches += 1
+            yield torch.cat(pieces).view(self.batch_size, window)
+
+    def _tokenized(self, epoch: int, start: int, offset: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """``(epoch, position, offset, tokens + [EOS])`` of each non-empty document, forever."""
+        while True:
+            produced = False
+            for pos, (_, text) in enumerate(self._source.documents(epoch, start), start=start):
+                ids = self.tokenizer.encode(text) if text else []
+                if not ids:
+                    continue
+                produced = True
+                tokens = torch.tensor([*ids, self.eos_id], dtype=torch.long)
+                yield epoch, pos, (offset if pos == start else 0), tokens
+            if not produced and start == 0:
+                raise ConfigError(
+                    f"{self.cfg.source!r} has no readable text in shard {self.cfg.shard_index} of "
+                    f"{self.cfg.num_shards}",
+                    field="source",
+                )
+            epoch, start, offset = epoch + 1, 0, 0

@@ -1,0 +1,144 @@
+"""Progress records: one signed, schema-checked DHT entry per live site.
+
+Each site node writes its record under one DHT key (``<swarm>_progress``), subkey = its own RSA public
+key, so only that node can overwrite it (hivemind's ``RSASignatureValidator``) and every field has a
+fixed type (``SchemaValidator``). Records expire a few refreshes after the last write, so a dead site
+drops out of ``greenswarm progress`` by itself. Readers must register the same validators, or
+hivemind refuses the signed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """What a site tells the swarm about itself (fields from DESIGN.md, plus what peers need to sync)."""
+
+    site: str
+    region: str
+    state: str  # IDLE | SOLO | FEDERATED
+    peer_id: str
+    outer_round: int  # outer steps applied to this site's view of the global model
+    lineage: str  # digest of the history of that view; equal lineage = same global parameters
+    round_index: int  # clock-aligned round slot of the last outer step (-1: none yet)
+    local_steps: int
+    tokens: int
+    loss: float | None
+    window_end: float | None  # clock time the current window ends (None outside a window)
+    energy_kwh: float
+    emissions_g: float
+    clock_time: float  # the site's clock (trace time in replays)
+    wall_time: float
+    world_size: int = 1
+    version: int = RECORD_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: dict[str, Any]) -> ProgressRecord:
+        return cls(**value)
+
+    @property
+    def in_window(self) -> bool:
+        return self.state != "IDLE"
+
+
+def record_validators(swarm: str) -> list[Any]:
+    """The validators every process of swarm ``swarm`` registers: records are signed and typed."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+
+    from greenswarm.node.progress_schema import ProgressSchema
+
+    return [SchemaValidator(ProgressSchema, allow_extra_keys=True, prefix=swarm), RSASignatureValidator()]
+
+
+def progress_key(swarm: str) -> str:
+    return f"{swarm}_progress"
+
+
+def _owner_subkey(validators: list[Any]) -> bytes:
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    signer = next(v for v in validators if isinstance(v, RSASignatureValidator))
+    return signer.local_public_key
+
+
+def _clean_floats(record: ProgressRecord) -> ProgressRecord:
+    """Strict schema types: make sure every float field really is a float (not an int or numpy scalar)."""
+    changes = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if f.type in ("float", "float | None") and value is not None:
+            changes[f.name] = float(value)
+        elif f.type == "int":
+            changes[f.name] = int(value)
+    return dataclasses.replace(record, **changes)
+
+
+class ProgressPublisher:
+    """Writes this site's record every ``refresh_s`` wall seconds and whenever asked to (state changes).
+
+    Writes are fire-and-forget futures so a slow DHT never stalls training; the record lives for
+    ``ttl_s`` so a killed site disappears from the table within that time.
+    """
+
+    def __init__(self, dht: DHT, swarm: str, validators: list[Any], refresh_s: float, ttl_s: float):
+        self.dht, self.key = dht, progress_key(swarm)
+        self.subkey = _owner_subkey(validators)
+        self.refresh_s, self.ttl_s = refresh_s, ttl_s
+        self._last = float("-inf")
+        self._pending = None
+
+    def maybe_publish(self, make_record: Any, force: bool = False) -> bool:
+        """Publish ``make_record()`` if forced or due; returns whether a write was started."""
+        from hivemind.utils import get_dht_time
+
+        if not force and time.monotonic() - self._last < self.refresh_s:
+            return False
+        record = _clean_floats(make_record())
+        self._last = time.monotonic()
+        self._pending = self.dht.store(
+            self.key,
+            subkey=self.subkey,
+            value=record.to_wire(),
+            expiration_time=get_dht_time() + self.ttl_s,
+            return_future=True,
+        )
+        return True
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait for the last write (used before exit, so the final state reaches the swarm)."""
+        if self._pending is not None:
+            try:
+                self._pending.result(timeout=timeout)
+            except Exception:  # best effort at shutdown; the record expires anyway
+                pass
+
+
+def fetch_records(dht: DHT, swarm: str) -> list[ProgressRecord]:
+    """All live, valid progress records of swarm ``swarm``, sorted by site name."""
+    result = dht.get(progress_key(swarm), latest=True)
+    if result is None or not isinstance(result.value, dict):
+        return []
+    records = []
+    for item in result.value.values():
+        value = getattr(item, "value", None)
+        if not isinstance(value, dict):
+            continue
+        try:
+            records.append(ProgressRecord.from_wire(value))
+        except TypeError:  # a record of another version; skip rather than crash the reader
+            continue
+    return sorted(records, key=lambda r: (r.site, r.peer_id))

@@ -1,0 +1,28 @@
+"""Scheduling a site: window policies, clocks, the IDLE/SOLO/FEDERATED state, energy accounting."""
+
+from greenswarm.scheduler.clock import Clock, ReplayClock, ScaledClock, WallClock, make_clock, parse_instant
+from greenswarm.scheduler.config import ClockConfig, EnergyConfig, SchedulerConfig
+from greenswarm.scheduler.energy import EnergyLedger, PowerModel, baseline_emissions_g
+from greenswarm.scheduler.policy import ThresholdPolicy, Window, WindowPolicy, WindowSchedule
+from greenswarm.scheduler.state import SiteState, decide_state
+
+__all__ = [
+    "Clock",
+    "ClockConfig",
+    "EnergyConfig",
+    "EnergyLedger",
+    "PowerModel",
+    "ReplayClock",
+    "ScaledClock",
+    "SchedulerConfig",
+    "SiteState",
+    "ThresholdPolicy",
+    "WallClock",
+    "Window",
+    "WindowPolicy",
+    "WindowSchedule",
+    "baseline_emissions_g",
+    "decide_state",
+    "make_clock",
+    "parse_instant",
+]

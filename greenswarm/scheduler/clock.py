@@ -1,0 +1,123 @@
+"""Clocks: what time it is in the trace, and how long that takes in wall time.
+
+A site asks its clock for "now" and looks the answer up in its windows. In production the clock is
+the wall clock; in demos, tests and simulations it replays trace time faster than real time. Both
+are the same :class:`ScaledClock` (clock time = ``start + (wall - start_wall) * speedup``; the wall
+clock is the case start = start_wall = 0, speedup = 1), so the code that production runs is the code
+every replay exercises; there is no test-only branch.
+
+Several processes replaying one trace agree on clock time as long as they share ``start`` and
+``start_wall`` (they read the same system clock), which is how the demo's sites stay in step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Protocol
+
+from greenswarm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from greenswarm.scheduler.config import ClockConfig
+
+
+class Clock(Protocol):
+    """The time source a site schedules against."""
+
+    def now(self) -> float:
+        """Unix seconds in clock time (trace time for replays)."""
+        ...
+
+    def wall_seconds(self, clock_seconds: float) -> float:
+        """Wall seconds that ``clock_seconds`` of clock time take."""
+        ...
+
+    def sleep_until(self, t: float, max_wall_s: float | None = None) -> None:
+        """Sleep (wall) until ``now() >= t``, but at most ``max_wall_s`` wall seconds."""
+        ...
+
+
+class ScaledClock:
+    """Clock time runs ``speedup`` times faster than the wall clock, from ``start`` at ``start_wall``.
+
+    Before ``start_wall`` (a replay whose start lies in the future) ``now()`` is before ``start``,
+    so sites launched a little early simply wait for the shared start.
+    """
+
+    def __init__(self, start: float, speedup: float, start_wall: float):
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
+        self.start = float(start)
+        self.speedup = float(speedup)
+        self.start_wall = float(start_wall)
+
+    def now(self) -> float:
+        return self.start + (time.time() - self.start_wall) * self.speedup
+
+    def wall_seconds(self, clock_seconds: float) -> float:
+        return clock_seconds / self.speedup
+
+    def sleep_until(self, t: float, max_wall_s: float | None = None) -> None:
+        """Sleep until clock time ``t``, or for ``max_wall_s`` wall seconds, whichever comes first.
+
+        Loops because ``time.sleep`` can return early on some platforms and the wall clock can be
+        stepped (NTP); the budget counts the wall seconds asked of ``time.sleep``, so a caller that
+        polls with a short ``max_wall_s`` gets control back on time.
+        """
+        budget = math.inf if max_wall_s is None else max(0.0, float(max_wall_s))
+        while True:
+            remaining = self.wall_seconds(t - self.now())
+            if remaining <= 0 or budget <= 0:
+                return
+            nap = min(remaining, budget)
+            time.sleep(nap)
+            budget -= nap
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name}(start={self.start}, speedup={self.speedup}, start_wall={self.start_wall})"
+
+
+class WallClock(ScaledClock):
+    """Production clock: clock time is wall time."""
+
+    def __init__(self) -> None:
+        super().__init__(start=0.0, speedup=1.0, start_wall=0.0)
+
+
+class ReplayClock(ScaledClock):
+    """Replays trace time from ``start`` at ``speedup`` x real time, beginning at wall time ``start_wall``.
+
+    ``start_wall`` defaults to the moment of construction; sites of one replay must share it.
+    """
+
+    def __init__(self, start: float, speedup: float, start_wall: float | None = None):
+        wall = time.time() if start_wall is None else start_wall
+        super().__init__(start=start, speedup=speedup, start_wall=wall)
+
+
+def parse_instant(text: str) -> float:
+    """Parse an ISO 8601 instant with an offset or ``Z`` to unix seconds.
+
+    A naive time is refused: in a config it would mean a different instant on every machine.
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"expected an ISO 8601 time such as 2026-01-11T17:00:00Z, got {text!r}")
+    try:
+        stamp = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError(f"cannot parse '{text}' as an ISO 8601 time such as 2026-01-11T17:00:00Z") from None
+    if stamp.tzinfo is None:
+        raise ConfigError(f"'{text}' has no UTC offset; add Z or +HH:MM")
+    return stamp.timestamp()
+
+
+def make_clock(cfg: ClockConfig, trace_start: float) -> Clock:
+    """Build the clock a config asks for; a replay starts at ``cfg.start`` or else the trace's start."""
+    cfg.validate()
+    if cfg.kind == "wall":
+        return WallClock()
+    start = trace_start if cfg.start is None else parse_instant(cfg.start)
+    return ReplayClock(start=start, speedup=cfg.speedup, start_wall=cfg.start_wall)

@@ -1,0 +1,152 @@
+"""The in-memory trace: grid carbon intensity per region, sampled on one shared time axis.
+
+Every reader (CSV files now; WattTime, Electricity Maps and Vessim formats later) produces this one
+type, so window policies and energy accounting never care where the numbers came from.
+
+A trace is a *hold-last* step function: the sample at ``times[i]`` is the intensity on
+``[times[i], times[i+1])``, and the last sample covers ``[times[-1], times[-1] + resolution_s)``.
+That is how grid operators publish intensity (the value for an interval, stamped at its start),
+and it makes integrals exact sums, so emissions on a replayed trace match a spreadsheet to the gram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from greenswarm.errors import TraceError
+
+#: Spacing assumed for a one-sample trace, which has no spacing to measure.
+SINGLE_SAMPLE_RESOLUTION_S = 3600.0
+
+
+def median_resolution(times: np.ndarray) -> float:
+    """Sample spacing of ``times``: the median step, so one missing sample does not change it."""
+    if len(times) < 2:
+        return SINGLE_SAMPLE_RESOLUTION_S
+    return float(np.median(np.diff(times)))
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Carbon intensity (gCO2/kWh) of one or more grid regions over time.
+
+    ``times`` are float64 unix seconds (UTC), strictly increasing; ``values`` maps each region (in
+    column order) to an array of the same length, finite and >= 0. The arrays are made read-only so
+    that a trace shared by a policy and a ledger cannot change under either. Equality is identity
+    (``eq=False``): comparing numpy arrays element-wise has no single truth value.
+    """
+
+    times: np.ndarray
+    values: dict[str, np.ndarray]
+    resolution_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        times = np.array(self.times, dtype=np.float64)
+        if times.ndim != 1 or len(times) < 1:
+            raise TraceError(f"{self.source}: a trace needs at least one sample")
+        if not np.all(np.isfinite(times)):
+            raise TraceError(f"{self.source}: timestamps must be finite")
+        if len(times) > 1 and not np.all(np.diff(times) > 0):
+            raise TraceError(f"{self.source}: timestamps must be strictly increasing")
+        if not self.values:
+            raise TraceError(f"{self.source}: a trace needs at least one region")
+        if not (np.isfinite(self.resolution_s) and self.resolution_s > 0):
+            raise TraceError(f"{self.source}: resolution must be a positive number of seconds")
+        values: dict[str, np.ndarray] = {}
+        for region, series in self.values.items():
+            arr = np.array(series, dtype=np.float64)
+            if arr.shape != times.shape:
+                raise TraceError(
+                    f"{self.source}: region '{region}' has {arr.size} values for {len(times)} timestamps"
+                )
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise TraceError(f"{self.source}: region '{region}' has negative or non-finite values")
+            arr.setflags(write=False)
+            values[region] = arr
+        times.setflags(write=False)
+        object.__setattr__(self, "times", times)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "resolution_s", float(self.resolution_s))
+        # Per-region running integrals, filled lazily; not a field, so replace()/fields() ignore it.
+        object.__setattr__(self, "_cumulative", {})
+
+    @classmethod
+    def from_columns(cls, times: np.ndarray, values: dict[str, np.ndarray], source: str) -> Trace:
+        """Build a trace whose resolution is measured from ``times`` (what every reader wants)."""
+        times = np.asarray(times, dtype=np.float64)
+        return cls(times=times, values=values, resolution_s=median_resolution(times), source=source)
+
+    @property
+    def regions(self) -> list[str]:
+        """Region names in column order."""
+        return list(self.values)
+
+    @property
+    def start(self) -> float:
+        """First instant the trace covers."""
+        return float(self.times[0])
+
+    @property
+    def end(self) -> float:
+        """First instant after the trace: the last sample still covers one resolution step."""
+        return float(self.times[-1]) + self.resolution_s
+
+    def series(self, region: str) -> np.ndarray:
+        """The (read-only) intensity samples of ``region``; a helpful error if there is no such region."""
+        try:
+            return self.values[region]
+        except KeyError:
+            raise TraceError(
+                f"region '{region}' is not in {self.source}; it has: {', '.join(self.values)}"
+            ) from None
+
+    def _index(self, t: float) -> int:
+        """Index of the sample in force at ``t``, clamped: the first before the trace, the last after."""
+        i = int(np.searchsorted(self.times, t, side="right")) - 1
+        return min(max(i, 0), len(self.times) - 1)
+
+    def intensity(self, region: str, t: float) -> float:
+        """Intensity at instant ``t``: the sample at or before ``t``.
+
+        Before the trace the first value holds and after it the last one does, so a clock that
+        runs a little past either edge gets a sensible number rather than an exception.
+        """
+        return float(self.series(region)[self._index(t)])
+
+    def _cumulative_at_samples(self, region: str) -> np.ndarray:
+        """``C[i]`` = integral of the step function from ``times[0]`` to ``times[i]``; cached per region."""
+        cum = self._cumulative.get(region)
+        if cum is None:
+            series = self.series(region)
+            cum = np.zeros(len(self.times), dtype=np.float64)
+            if len(self.times) > 1:
+                cum[1:] = np.cumsum(series[:-1] * np.diff(self.times))
+            cum.setflags(write=False)
+            self._cumulative[region] = cum
+        return cum
+
+    def _antiderivative(self, region: str, t: float) -> float:
+        """Integral of the clamped step function from ``times[0]`` to ``t`` (negative for t < start)."""
+        i = self._index(t)
+        return float(self._cumulative_at_samples(region)[i] + self.series(region)[i] * (t - self.times[i]))
+
+    def integral(self, region: str, t0: float, t1: float) -> float:
+        """Exact integral of :meth:`intensity` over ``[t0, t1]`` in (gCO2/kWh) x seconds.
+
+        Multiplying by kW / 3600 gives grams. Clamps like :meth:`intensity`; for ``t1 < t0`` the
+        result is negative (the signed integral), which keeps ``integral(a, b) + integral(b, c)``
+        equal to ``integral(a, c)`` for any order.
+        """
+        self.series(region)
+        if t0 == t1:
+            return 0.0
+        return self._antiderivative(region, t1) - self._antiderivative(region, t0)
+
+    def __repr__(self) -> str:
+        return (
+            f"Trace(source={self.source!r}, regions={self.regions}, samples={len(self.times)}, "
+            f"start={self.start}, resolution_s={self.resolution_s})"
+        )
