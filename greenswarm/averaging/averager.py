@@ -1,0 +1,218 @@
+"""The swarm averager: hivemind's ``DecentralizedAverager`` with greenswarm's round and state rules.
+
+What it adds to hivemind, and why:
+
+* each round matches only sites in the same clock-aligned round slot *and* the same lineage (the
+  group key is derived from both), so a group never mixes pseudo-gradients taken against different
+  global parameters;
+* the expected group size is set per round from who is in a window now, so a full group starts at
+  once instead of waiting out the matchmaking time;
+* the state it serves to newcomers is the site's global view (parameters + outer momentum + lineage),
+  provided by the node under its lock, and a newcomer downloads it from a *chosen* peer (the swarm's
+  head), not from whichever peer hivemind's priority list names first;
+* every timeout is set (hivemind's all-reduce defaults wait forever), and every failure comes back as
+  a :class:`RoundOutcome` with a reason instead of an exception or a silent partial result.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    ScaledFloat16Compression,
+    deserialize_torch_tensor,
+)
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+
+from greenswarm.averaging.config import AveragingConfig
+from greenswarm.averaging.outer import group_bits
+
+log = logging.getLogger(__name__)
+
+#: what a site serves to newcomers: (metadata, tensors)
+StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+def wire_codec(name: str) -> CompressionBase:
+    """hivemind codec for a wire format name (only codecs that work on numpy 2.x)."""
+    return {"fp32": NoCompression(), "fp16": Float16Compression(), "scaled-fp16": ScaledFloat16Compression()}[
+        name
+    ]
+
+
+@dataclass
+class RoundOutcome:
+    """The result of one averaging attempt. ``averaged`` is set only when ``ok``."""
+
+    ok: bool
+    reason: str = ""
+    members: list[str] = field(default_factory=list)
+    gathered: dict[str, Any] = field(default_factory=dict)
+    averaged: torch.Tensor | None = None
+    seconds: float = 0.0
+
+
+class SwarmAverager(DecentralizedAverager):
+    """Averages one flat pseudo-gradient vector per round with the sites that share this site's state."""
+
+    def __init__(
+        self,
+        dht: Any,
+        prefix: str,
+        numel: int,
+        cfg: AveragingConfig,
+        state_provider: StateProvider,
+        client_mode: bool = False,
+    ):
+        self._cfg = cfg
+        self._state_provider = state_provider
+        previous_sigint = signal.getsignal(signal.SIGINT)
+        super().__init__(
+            [torch.zeros(numel, dtype=torch.float32)],
+            dht,
+            start=True,
+            prefix=prefix,
+            target_group_size=cfg.max_group_size,
+            min_group_size=2,
+            min_matchmaking_time=cfg.matchmaking_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.chunk_timeout_s,
+            compression=wire_codec(cfg.wire),
+            state_compression=NoCompression(),  # state must arrive bit-exact
+            allow_state_sharing=not client_mode,
+            client_mode=client_mode,
+            shutdown_timeout=5,
+        )
+        # hivemind's run_in_background sets SIGINT to "ignore" in *our* process; give Ctrl-C back
+        signal.signal(signal.SIGINT, previous_sigint)
+
+    # ---- serving state (runs in this process, on hivemind's background thread) ----
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    # ---- one round ----
+
+    def average(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        round_index: int,
+        lineage: str,
+        expected_size: int,
+        gather: dict[str, Any],
+    ) -> RoundOutcome:
+        """All-reduce ``delta`` (weighted) with the group of this round slot and lineage."""
+        started = time.monotonic()
+        self._call(
+            "_configure_round",
+            bits=group_bits(round_index, lineage),
+            target=max(2, min(expected_size, self._cfg.max_group_size)),
+        )
+        with self.get_tensors() as (buffer,):
+            buffer.copy_(delta)
+        try:
+            result = self.step(
+                gather=gather,
+                weight=max(float(weight), 1e-6),
+                timeout=2 * self._cfg.matchmaking_s,
+                allow_retries=True,
+            )
+        except Exception as e:  # hivemind reports failures as several exception types
+            return RoundOutcome(
+                False, reason=f"{type(e).__name__}: {e}".strip(": "), seconds=time.monotonic() - started
+            )
+        if not result:
+            return RoundOutcome(
+                False, reason="no group formed before the deadline", seconds=time.monotonic() - started
+            )
+        with self.get_tensors() as (buffer,):
+            averaged = buffer.clone()
+        gathered = {str(peer): data for peer, data in result.items()}
+        outcome = RoundOutcome(
+            True,
+            members=sorted(gathered),
+            gathered=gathered,
+            averaged=averaged,
+            seconds=time.monotonic() - started,
+        )
+        if not torch.isfinite(averaged).all():
+            return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=outcome.seconds)
+        return outcome
+
+    async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
+        """Runs in the averager process: set this round's group key and expected group size."""
+        try:
+            matchmaking = self._matchmaking
+            matchmaking.group_key_manager.group_bits = bits
+            matchmaking.group_key_manager.target_group_size = target
+            matchmaking.target_group_size = target
+            matchmaking.potential_leaders.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
+    # ---- downloading state from a chosen peer ----
+
+    def download_state(self, peers: Sequence[str]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download the served state from the first of ``peers`` that answers; None if none does."""
+        if not peers:
+            return None
+        return self._call(
+            "_download_state_from", peers=list(peers), wait_s=self._cfg.state_timeout_s * len(peers) + 5
+        )
+
+    async def _download_state_from(self, peers: list[str], future: MPFuture) -> None:
+        try:
+            for peer in peers:
+                try:
+                    state = await self._download_one(PeerID.from_base58(peer))
+                except Exception as e:
+                    log.warning("state download from %s failed: %r", peer, e)
+                    continue
+                if state is not None:
+                    future.set_result(state)
+                    return
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+    async def _download_one(self, peer: PeerID) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=self._cfg.chunk_timeout_s):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if metadata is None else (metadata, tensors)
+
+    # ---- plumbing ----
+
+    def _call(self, method: str, wait_s: float = 30.0, **kwargs: Any) -> Any:
+        """Run ``method`` in the averager process and wait for its result."""
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+        return future.result(timeout=wait_s)

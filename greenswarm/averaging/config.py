@@ -1,0 +1,73 @@
+"""Configuration of a site's averaging rounds and outer optimizer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from greenswarm.errors import ConfigError
+
+OUTER_KINDS = ("diloco", "fedavg")
+#: wire codecs that work with hivemind 1.1.12 on numpy 2.x (its 8-bit codecs are broken there)
+WIRE_CODECS = ("fp32", "fp16", "scaled-fp16")
+
+
+def _positive(value: float, name: str, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"must be a number, got {value!r}", field=name)
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}", field=name)
+
+
+@dataclass
+class AveragingConfig:
+    """When sites average and how the result moves the global model.
+
+    Rounds are aligned to the clock: round k ends at the first multiple of ``sync_interval_s`` (clock
+    seconds since the Unix epoch) after it starts, so sites agree on round boundaries without talking.
+    ``diloco`` applies Nesterov SGD (``outer_lr`` 0.7, ``outer_momentum`` 0.9) to the averaged
+    pseudo-gradient; ``fedavg`` replaces the global model with the weighted average of local ones.
+    Timeouts are wall seconds and always set: hivemind's defaults wait forever.
+    """
+
+    sync_interval_s: float = 600.0
+    outer: str = "diloco"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    wire: str = "fp16"
+    matchmaking_s: float = 5.0
+    request_timeout_s: float = 2.0
+    allreduce_timeout_s: float = 60.0
+    chunk_timeout_s: float = 10.0
+    state_timeout_s: float = 60.0
+    max_group_size: int = 64
+
+    def validate(self) -> None:
+        _positive(self.sync_interval_s, "sync_interval_s")
+        if self.outer not in OUTER_KINDS:
+            raise ConfigError(f"must be one of {', '.join(OUTER_KINDS)}, got {self.outer!r}", field="outer")
+        if self.wire not in WIRE_CODECS:
+            raise ConfigError(
+                f"must be one of {', '.join(WIRE_CODECS)}, got {self.wire!r} (int8 comes with issue #5)",
+                field="wire",
+            )
+        _positive(self.outer_lr, "outer_lr")
+        _positive(self.outer_momentum, "outer_momentum", allow_zero=True)
+        if self.outer_momentum >= 1:
+            raise ConfigError(f"must be < 1, got {self.outer_momentum!r}", field="outer_momentum")
+        for name in (
+            "matchmaking_s",
+            "request_timeout_s",
+            "allreduce_timeout_s",
+            "chunk_timeout_s",
+            "state_timeout_s",
+        ):
+            _positive(getattr(self, name), name)
+        if self.request_timeout_s >= self.matchmaking_s:
+            raise ConfigError(
+                f"must be smaller than matchmaking_s ({self.matchmaking_s}) or matchmaking can deadlock",
+                field="request_timeout_s",
+            )
+        if self.max_group_size < 2:
+            raise ConfigError(f"must be >= 2, got {self.max_group_size}", field="max_group_size")

@@ -1,0 +1,196 @@
+"""The ``greenswarm`` command. Each subcommand only parses its arguments and calls into a package.
+
+Errors a user can cause (a config field, a multiaddr, an unreachable swarm) become one line on stderr
+and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from greenswarm import __version__
+from greenswarm.errors import GreenswarmError
+
+EPILOG = """\
+a swarm across sites:
+  greenswarm bootstrap --listen /ip4/0.0.0.0/tcp/31337 --identity boot.key
+  greenswarm node --config site.yaml --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
+  greenswarm progress --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
+
+everything on this machine, offline, in a few minutes:
+  greenswarm demo
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="greenswarm",
+        description="Pretrain language models across independent GPU sites, training only while each "
+        "site's grid runs on surplus renewable electricity.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"greenswarm {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, hivemind's included")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    boot = sub.add_parser(
+        "bootstrap",
+        help="run the swarm's entry point (a DHT peer and relay with a stable identity)",
+        description="Run a bootstrap peer: the address sites dial first. It keeps its peer id in the "
+        "identity file (created if missing, mode 0600), so its address survives restarts. It prints "
+        "the exact --initial-peers value for sites.",
+    )
+    boot.add_argument(
+        "--listen",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/31337"],
+        metavar="MADDR",
+        help="multiaddrs to listen on (default: /ip4/0.0.0.0/tcp/31337)",
+    )
+    boot.add_argument(
+        "--announce",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="public multiaddrs to advertise (e.g. behind a port forward)",
+    )
+    boot.add_argument(
+        "--identity", required=True, metavar="PATH", help="identity key file (created if missing)"
+    )
+    boot.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="other bootstrap peers to join (several bootstrap peers add redundancy)",
+    )
+    boot.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    boot.add_argument("--json", action="store_true", help="print the peer id and addresses as JSON")
+
+    node = sub.add_parser(
+        "node",
+        help="run a site: train in curtailment windows, average with sites in theirs",
+        description="Run a site node from a YAML config. Under torchrun --nproc-per-node N the model "
+        "is sharded over N processes with FSDP2; rank 0 talks to the swarm.",
+    )
+    node.add_argument("--config", required=True, metavar="YAML", help="site config (see README)")
+    node.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="bootstrap multiaddrs (override swarm.initial_peers)",
+    )
+    node.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    node.add_argument("--run-dir", metavar="DIR", help="checkpoints and summary (override node.run_dir)")
+
+    prog = sub.add_parser(
+        "progress",
+        help="show every live site of a swarm",
+        description="Read the swarm's signed progress records: state, outer step, steps, tokens, loss, "
+        "window end, energy and emissions of every live site.",
+    )
+    prog.add_argument(
+        "--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs"
+    )
+    prog.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    prog.add_argument("--json", action="store_true", help="print records as JSON")
+    prog.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+
+    demo = sub.add_parser(
+        "demo",
+        help="a bootstrap peer and three sites on this machine, on a replayed trace",
+        description="Start a bootstrap peer and three site nodes (separate processes, real p2pd "
+        "daemons on 127.0.0.1) that train one tiny model on the CPU while replaying a day of grid "
+        "intensity faster than real time; show a live table and end with a report. Offline; uses a "
+        "built-in trace model unless --trace is given.",
+    )
+    demo.add_argument(
+        "--trace", metavar="CSV", help="a wide CSV trace (timestamp column + one column per region)"
+    )
+    demo.add_argument(
+        "--regions", metavar="A,B,C", help="the three regions (columns) to use, comma-separated"
+    )
+    demo.add_argument(
+        "--threshold", type=float, default=100.0, help="gCO2/kWh below which a site trains (100)"
+    )
+    demo.add_argument(
+        "--minutes", type=float, default=2.5, help="wall minutes the replay lasts (default 2.5)"
+    )
+    demo.add_argument("--hours", type=float, help="trace hours to replay (default: all of it, at most 24)")
+    demo.add_argument(
+        "--sync-minutes", type=float, default=30.0, help="trace minutes between averaging rounds (default 30)"
+    )
+    demo.add_argument("--workdir", metavar="DIR", help="keep configs, logs and checkpoints here")
+    demo.add_argument("--json", action="store_true", help="print the final report as JSON")
+    demo.add_argument("--no-live", action="store_true", help="no live table (plain log lines)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from greenswarm.procs import setup_logging
+
+    setup_logging(args.verbose)
+    try:
+        return _dispatch(args)
+    except GreenswarmError as e:
+        print(f"greenswarm {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "bootstrap":
+        from greenswarm.bootstrap.peer import BootstrapConfig, serve
+        from greenswarm.configuration import config_from_dict
+
+        cfg = config_from_dict(
+            BootstrapConfig,
+            {
+                "identity": args.identity,
+                "listen": args.listen,
+                "announce": args.announce,
+                "swarm": args.swarm,
+                "initial_peers": args.initial_peers,
+            },
+            source="arguments",
+        )
+        return serve(cfg, as_json=args.json)
+    if args.command == "node":
+        from greenswarm.node.runner import run_node
+
+        return run_node(args.config, args.initial_peers, args.overrides, args.run_dir)
+    if args.command == "progress":
+        from greenswarm.network import check_peers
+        from greenswarm.node.progress_view import show_progress
+
+        peers = check_peers(args.initial_peers, "--initial-peers")
+        return show_progress(peers, args.swarm, as_json=args.json, watch=args.watch)
+    if args.command == "demo":
+        from greenswarm.demo import DemoOptions, run_demo
+
+        return run_demo(
+            DemoOptions(
+                trace=args.trace,
+                regions=args.regions,
+                threshold=args.threshold,
+                minutes=args.minutes,
+                hours=args.hours,
+                sync_minutes=args.sync_minutes,
+                workdir=args.workdir,
+                as_json=args.json,
+                live=not args.no_live,
+            )
+        )
+    raise AssertionError(args.command)

@@ -1,0 +1,124 @@
+"""The site config: one dataclass per component, composed into what ``greenswarm node`` loads.
+
+A site YAML has one section per component (``swarm``, ``model``, ``data``, ``train``, ``scheduler``,
+``energy``, ``averaging``, ``node``) plus the site's ``name`` and ``region``; every field has a
+default except those two, so a minimal config is three lines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from greenswarm.averaging.config import AveragingConfig
+from greenswarm.configuration import load_config
+from greenswarm.errors import ConfigError
+from greenswarm.network import SwarmConfig
+from greenswarm.node.data import DataConfig
+from greenswarm.node.model import ModelConfig
+from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
+
+_SITE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class TrainConfig:
+    """The inner loop: AdamW with warm-up, gradient accumulation up to ``batch_size`` sequences.
+
+    ``batch_size`` is the site's effective batch per optimizer step (all ranks together);
+    ``micro_batch_size`` is what one rank holds in one forward/backward.
+    """
+
+    batch_size: int = 8
+    micro_batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters stay fp32)
+    threads: int = 0  # torch CPU threads per process (0: torch's default)
+
+    def validate(self) -> None:
+        for name in ("batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field=name)
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})",
+                field="batch_size",
+            )
+        for name in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+                raise ConfigError(f"must be {'> 0' if name == 'lr' else '>= 0'}, got {value}", field=name)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"must be in [0, 1), got {getattr(self, name)}", field=name)
+        if self.warmup_steps < 0 or self.threads < 0:
+            name = "warmup_steps" if self.warmup_steps < 0 else "threads"
+            raise ConfigError("must be >= 0", field=name)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"must be auto, cpu or cuda, got {self.device!r}", field="device")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"must be fp32 or bf16, got {self.precision!r}", field="precision")
+
+
+@dataclass
+class NodeConfig:
+    """Where the node keeps its files and how often it reports.
+
+    Progress records are refreshed every ``progress_refresh_s`` wall seconds (and at every state
+    change) and expire after ``progress_ttl_s``, so a dead site leaves the table by itself.
+    """
+
+    run_dir: str = "runs/site"
+    progress_refresh_s: float = 2.0
+    progress_ttl_s: float = 15.0
+    swarm_poll_s: float = 1.0
+    idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
+    stop_at_trace_end: bool = True
+    log_every_s: float = 10.0
+
+    def validate(self) -> None:
+        for name in ("progress_refresh_s", "progress_ttl_s", "swarm_poll_s", "idle_wall_s", "log_every_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)
+        if self.progress_ttl_s <= self.progress_refresh_s:
+            raise ConfigError(
+                f"must exceed progress_refresh_s ({self.progress_refresh_s}) or records flicker",
+                field="progress_ttl_s",
+            )
+
+
+@dataclass
+class SiteConfig:
+    """Everything one site node needs. ``name`` identifies the site in the swarm's progress table;
+    ``region`` is its grid region: a column of the trace."""
+
+    name: str
+    region: str
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+
+    def validate(self) -> None:
+        if not _SITE_RE.match(self.name):
+            raise ConfigError(f"{self.name!r}: use up to 64 letters, digits, '.', '-' or '_'", field="name")
+        if not self.region.strip():
+            raise ConfigError("must name a region (a column of the trace)", field="region")
+
+
+def load_site_config(path: str | Path | None, overrides: list[str] | None = None) -> SiteConfig:
+    """Load a site config from YAML plus ``--set`` overrides; errors name file:line or the override."""
+    return load_config(SiteConfig, path, overrides)

@@ -1,0 +1,98 @@
+"""Rendering progress records: a rich table for people, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from greenswarm.node.progress import ProgressRecord
+
+STATE_STYLE = {"IDLE": "dim", "SOLO": "yellow", "FEDERATED": "bold green"}
+
+
+def _clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%m-%d %H:%MZ", time.gmtime(t))
+
+
+def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
+    table = Table(title=title or None, header_style="bold")
+    for col, justify in [
+        ("site", "left"),
+        ("region", "left"),
+        ("state", "left"),
+        ("outer", "right"),
+        ("steps", "right"),
+        ("tokens", "right"),
+        ("loss", "right"),
+        ("window end", "left"),
+        ("energy kWh", "right"),
+        ("CO2 g", "right"),
+        ("clock", "left"),
+        ("seen", "right"),
+    ]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    now = time.time()
+    for r in records:
+        table.add_row(
+            r.site,
+            r.region,
+            f"[{STATE_STYLE.get(r.state, '')}]{r.state}[/]",
+            str(r.outer_round),
+            f"{r.local_steps:,}",
+            f"{r.tokens:,}",
+            "-" if r.loss is None else f"{r.loss:.3f}",
+            _clock(r.window_end),
+            f"{r.energy_kwh:.2f}",
+            f"{r.emissions_g:,.0f}",
+            _clock(r.clock_time),
+            f"{max(0.0, now - r.wall_time):.0f}s ago",
+        )
+    return table
+
+
+def records_json(records: Sequence[ProgressRecord]) -> str:
+    return json.dumps([r.to_wire() for r in records], indent=2)
+
+
+def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: float | None) -> int:
+    """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from greenswarm.network import start_dht
+    from greenswarm.node.progress import fetch_records, record_validators
+
+    dht = start_dht(
+        initial_peers,
+        host_maddrs=["/ip4/0.0.0.0/tcp/0"],
+        client_mode=True,
+        record_validators=record_validators(swarm),
+    )
+    console = Console()
+    try:
+        if watch is None:
+            records = fetch_records(dht, swarm)
+            if as_json:
+                print(records_json(records))
+            elif records:
+                console.print(progress_table(records, title=f"swarm '{swarm}'"))
+            else:
+                console.print(f"no live sites in swarm '{swarm}'")
+            return 0
+        if as_json:
+            while True:
+                print(json.dumps([r.to_wire() for r in fetch_records(dht, swarm)]), flush=True)
+                time.sleep(watch)
+        with Live(
+            progress_table([], title=f"swarm '{swarm}'"), console=console, refresh_per_second=4
+        ) as live:
+            while True:
+                live.update(progress_table(fetch_records(dht, swarm), title=f"swarm '{swarm}'"))
+                time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        dht.shutdown()

@@ -1,0 +1,480 @@
+"""The site node: train while the grid is green, average with whoever else is, sleep otherwise.
+
+The main loop reads like the algorithm (see :meth:`SiteNode._loop`). Everything else -- window
+checks, energy accounting, progress records, checkpoints, catching up with the swarm -- is a
+component or a short method with its own timing.
+
+Under ``torchrun`` every rank builds the model and trains; rank 0 alone talks to the swarm and tells
+the other ranks, one command at a time, which collective to run next (:meth:`_collective`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
+from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
+from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.errors import ConfigError
+from greenswarm.network import start_dht
+from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.config import SiteConfig
+from greenswarm.node.distributed import World
+from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
+from greenswarm.node.swarm_view import SwarmView, state_key
+from greenswarm.node.trainer import InnerTrainer
+from greenswarm.scheduler.clock import make_clock
+from greenswarm.scheduler.energy import EnergyLedger, PowerModel
+from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
+from greenswarm.scheduler.state import SiteState, decide_state
+from greenswarm.traces import load_trace
+
+IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
+
+
+def _fmt_clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(t))
+
+
+class SiteNode:
+    """One site of the swarm (all of its ranks)."""
+
+    def __init__(self, cfg: SiteConfig, world: World | None = None):
+        self.cfg = cfg
+        self.world = world or World.from_environment(cfg.train.device)
+        self.log = logging.getLogger(f"greenswarm.site.{cfg.name}")
+        self._stop = threading.Event()
+        self._state_lock = threading.Lock()  # guards the global view while it is served to peers
+        self.started = time.monotonic()
+
+        # windows, clock, energy: every rank knows them; only rank 0 acts on them
+        trace = load_trace(cfg.scheduler.trace, tz=cfg.scheduler.timezone)
+        if cfg.region not in trace.regions:
+            raise ConfigError(
+                f"region {cfg.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
+                field="region",
+            )
+        self.trace = trace
+        self.schedule = WindowSchedule(
+            trace, cfg.region, ThresholdPolicy(cfg.scheduler.threshold, cfg.scheduler.min_window_s)
+        )
+        self.clock = make_clock(cfg.scheduler.clock, trace.start)
+        self.ledger = EnergyLedger(
+            trace, cfg.region, PowerModel(cfg.energy.train_kw, cfg.energy.idle_kw), start=self.clock.now()
+        )
+        self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world)
+
+        # the site's state in the swarm
+        self.state = IDLE
+        self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
+        self.local_steps = self.tokens = self.tokens_since_sync = 0
+        self.loss: float | None = None
+        self.counts = {"federated_rounds": 0, "solo_rounds": 0, "failed_rounds": 0, "catch_ups": 0}
+        self.round_seconds: list[float] = []
+        self.first_step_s: float | None = None
+        self._slot = -1
+        self._last_log = 0.0
+        self.peer_id = ""
+
+        self.checkpointer = Checkpointer(Path(cfg.node.run_dir))
+        self.outer: OuterOptimizer | None = None
+        self.dht = self.averager = self.view = self.publisher = None
+
+    # ------------------------------------------------------------------ public
+
+    def request_stop(self) -> None:
+        """Ask the node to finish (signal handlers call this): it checkpoints and leaves cleanly."""
+        self._stop.set()
+
+    def run(self) -> dict[str, Any] | None:
+        """Run until the trace ends or a stop is requested; return the site's summary (rank 0)."""
+        if not self.world.is_leader:
+            self._follow()
+            return None
+        try:
+            self._start()
+            self._loop()
+            return self._finish()
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------------ the algorithm
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = self.clock.now()
+            if self.cfg.node.stop_at_trace_end and now >= self.trace.end:
+                self.log.info("trace ends at %s: stopping", _fmt_clock(self.trace.end))
+                break
+            state = self._update_state(now)
+            if state is IDLE:
+                self._sleep_until_window(now)
+            else:
+                self._train_step()
+                if self._round_due():
+                    self._end_round(state)
+            self._report()
+
+    def _update_state(self, now: float) -> SiteState:
+        """Account energy for the state held until now, then pick the state for what comes next."""
+        self.ledger.advance(now, self.state)
+        in_window = self.schedule.in_window(now)
+        new = decide_state(in_window, len(self.view.others_in_window()))
+        if new is not self.state:
+            old, self.state = self.state, new
+            window = self.schedule.current(now)
+            until = f" (window until {_fmt_clock(window.end)})" if window else ""
+            self.log.info("%s -> %s at %s%s", old.value, new.value, _fmt_clock(now), until)
+            if old is IDLE:
+                self._slot = self._slot_of(now)  # the first round ends at the next boundary
+                self._catch_up(in_window_only=False)
+            elif new is IDLE and old is SOLO and self.tokens_since_sync:
+                self._end_round(SOLO)  # the only site in a window: bank its progress as it leaves
+            self._report(force=True)
+        return self.state
+
+    def _train_step(self) -> None:
+        stats = self._collective("train")
+        if self.first_step_s is None:
+            self.first_step_s = time.monotonic() - self.started
+            self.log.info("first training step %.1f s after start", self.first_step_s)
+        self.local_steps += 1
+        self.tokens += stats.tokens
+        self.tokens_since_sync += stats.tokens
+        self.loss = stats.loss if self.loss is None else 0.9 * self.loss + 0.1 * stats.loss
+
+    def _end_round(self, state: SiteState) -> None:
+        """Average (FEDERATED) or take the step alone (SOLO), then move the global model."""
+        self._slot = self._slot_of(self.clock.now())
+        if state is FEDERATED:
+            self._catch_up(in_window_only=True)
+        local = self._collective("gather")
+        delta = self.outer.pseudo_gradient(local)
+        if state is FEDERATED:
+            outcome = self._average(delta)
+            if not outcome.ok:
+                self.counts["failed_rounds"] += 1
+                self.log.warning(
+                    "round %d: averaging failed (%s); keeping local progress, retrying next round",
+                    self._slot,
+                    outcome.reason,
+                )
+                return
+            averaged, members = outcome.averaged, outcome.members
+        else:
+            averaged, members = delta, [self.peer_id]
+        with self._state_lock:
+            self.outer.step(averaged)
+            self.outer_round += 1
+            self.lineage = next_lineage(self.lineage, self._slot, members)
+            self.round_index = self._slot
+        self._collective("load", self.outer.params)
+        self.tokens_since_sync = 0
+        self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
+        self.log.info(
+            "round %d: outer step %d %s, loss %.3f",
+            self._slot,
+            self.outer_round,
+            f"averaged with {len(members) - 1} site(s)" if len(members) > 1 else "alone",
+            self.loss or float("nan"),
+        )
+        self._save_checkpoint()
+        self._report(force=True)
+        self.view.refresh()
+
+    def _average(self, delta: torch.Tensor) -> RoundOutcome:
+        partners = [
+            r
+            for r in self.view.others_in_window()
+            if (r.outer_round, r.lineage) == (self.outer_round, self.lineage)
+        ]
+        if not partners:
+            return RoundOutcome(False, reason="no site in a window shares this global state yet")
+        outcome = self.averager.average(
+            delta,
+            weight=self.tokens_since_sync,
+            round_index=self._slot,
+            lineage=self.lineage,
+            expected_size=1 + len(partners),
+            gather={"site": self.cfg.name, "tokens": self.tokens_since_sync, "outer_round": self.outer_round},
+        )
+        if outcome.ok:
+            self.round_seconds.append(outcome.seconds)
+        return outcome
+
+    def _catch_up(self, in_window_only: bool) -> bool:
+        """If a live site holds a more advanced global state, download it and rebase local progress."""
+        head = self.view.head(in_window_only=in_window_only)
+        if head is None or state_key(head.outer_round, head.lineage) <= state_key(
+            self.outer_round, self.lineage
+        ):
+            return False
+        started = time.monotonic()
+        sources = self.view.holders_of(head.outer_round, head.lineage)
+        got = self.averager.download_state(sources)
+        if got is None:
+            self.log.warning(
+                "could not download the state of round %d from %s; training on", head.outer_round, head.site
+            )
+            return False
+        meta, tensors = got
+        if len(tensors) != 2 or any(t.numel() != self.outer.numel for t in tensors):
+            self.log.warning("%s served a state of the wrong shape; ignoring it", head.site)
+            return False
+        local = self._collective("gather")
+        pending = self.outer.pseudo_gradient(local)  # this site's progress since its last outer step
+        with self._state_lock:
+            self.outer.load_state_tensors(tensors)
+            self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
+            self.round_index = int(meta["round_index"])
+        self._collective("load", self.outer.params - pending)
+        self.counts["catch_ups"] += 1
+        self.log.info(
+            "caught up with %s: global state of outer step %d in %.2f s; local progress kept",
+            meta.get("site", head.site),
+            self.outer_round,
+            time.monotonic() - started,
+        )
+        self._report(force=True)
+        return True
+
+    # ------------------------------------------------------------------ components and helpers
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        self.outer = OuterOptimizer.from_config(
+            self._collective("gather"),
+            cfg.averaging.outer,
+            cfg.averaging.outer_lr,
+            cfg.averaging.outer_momentum,
+            cfg.averaging.nesterov,
+        )
+        self._resume()
+        validators = record_validators(cfg.swarm.name)
+        identity = cfg.swarm.identity
+        if identity:
+            load_or_create_identity(identity)
+        self.dht = start_dht(
+            cfg.swarm.initial_peers,
+            host_maddrs=cfg.swarm.host_maddrs,
+            announce_maddrs=cfg.swarm.announce_maddrs,
+            identity_path=identity,
+            record_validators=validators,
+        )
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.averager = SwarmAverager(
+            self.dht, f"{cfg.swarm.name}-avg", self.outer.numel, cfg.averaging, self._served_state
+        )
+        self.view = SwarmView(self.dht, cfg.swarm.name, self.peer_id, cfg.node.swarm_poll_s)
+        self.publisher = ProgressPublisher(
+            self.dht, cfg.swarm.name, validators, cfg.node.progress_refresh_s, cfg.node.progress_ttl_s
+        )
+        self.log.info(
+            "site %s (%s) joined swarm '%s' as %s; %s parameters, %d rank(s)",
+            cfg.name,
+            cfg.region,
+            cfg.swarm.name,
+            self.peer_id,
+            f"{self.trainer.num_parameters:,}",
+            self.world.world_size,
+        )
+        self._report(force=True)
+
+    def _resume(self) -> None:
+        payload = self.checkpointer.load()
+        if payload is None:
+            return
+        self._collective("restore", payload["trainer"])
+        with self._state_lock:
+            self.outer.load_state_tensors(payload["outer"])
+        site = payload["site"]
+        self.outer_round, self.lineage, self.round_index = (
+            site["outer_round"],
+            site["lineage"],
+            site["round_index"],
+        )
+        self.local_steps, self.tokens, self.loss = site["local_steps"], site["tokens"], site["loss"]
+        self.counts.update(site["counts"])
+        self.ledger.load_state_dict(payload["ledger"])
+        self.log.info(
+            "resumed from %s: outer step %d, %d local steps",
+            self.checkpointer.path,
+            self.outer_round,
+            self.local_steps,
+        )
+
+    def _save_checkpoint(self) -> None:
+        trainer_state = self._collective("save")
+        with self._state_lock:
+            outer = [t.clone() for t in self.outer.state_tensors()]
+        self.checkpointer.save(
+            {
+                "trainer": trainer_state,
+                "outer": outer,
+                "ledger": self.ledger.state_dict(),
+                "site": {
+                    "outer_round": self.outer_round,
+                    "lineage": self.lineage,
+                    "round_index": self.round_index,
+                    "local_steps": self.local_steps,
+                    "tokens": self.tokens,
+                    "loss": self.loss,
+                    "counts": dict(self.counts),
+                },
+            }
+        )
+
+    def _served_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What this site serves to a newcomer (called on hivemind's thread, hence the lock)."""
+        with self._state_lock:
+            meta = {
+                "site": self.cfg.name,
+                "outer_round": self.outer_round,
+                "lineage": self.lineage,
+                "round_index": self.round_index,
+            }
+            return meta, [t.clone() for t in self.outer.state_tensors()]
+
+    def _record(self) -> ProgressRecord:
+        now = self.clock.now()
+        window = self.schedule.current(now) if self.state is not IDLE else None
+        return ProgressRecord(
+            site=self.cfg.name,
+            region=self.cfg.region,
+            state=self.state.value,
+            peer_id=self.peer_id,
+            outer_round=self.outer_round,
+            lineage=self.lineage,
+            round_index=self.round_index,
+            local_steps=self.local_steps,
+            tokens=self.tokens,
+            loss=None if self.loss is None or not math.isfinite(self.loss) else float(self.loss),
+            window_end=float(window.end) if window else None,
+            energy_kwh=self.ledger.energy_kwh,
+            emissions_g=self.ledger.emissions_g,
+            clock_time=now,
+            wall_time=time.time(),
+            world_size=self.world.world_size,
+        )
+
+    def _report(self, force: bool = False) -> None:
+        """Progress record (when due or forced) and a periodic log line."""
+        if self.publisher is not None:
+            self.publisher.maybe_publish(self._record, force=force)
+        if time.monotonic() - self._last_log >= self.cfg.node.log_every_s:
+            self._last_log = time.monotonic()
+            self.log.info(
+                "%s at %s: outer step %d, %d steps, %s tokens, loss %s, %.3f kWh, %.1f gCO2",
+                self.state.value,
+                _fmt_clock(self.clock.now()),
+                self.outer_round,
+                self.local_steps,
+                f"{self.tokens:,}",
+                "-" if self.loss is None else f"{self.loss:.3f}",
+                self.ledger.energy_kwh,
+                self.ledger.emissions_g,
+            )
+
+    def _sleep_until_window(self, now: float) -> None:
+        """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps)."""
+        nxt = self.schedule.next_window(now)
+        target = min(nxt.start if nxt else self.trace.end, now + self.cfg.scheduler.poll_s)
+        self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
+        self._collective("idle")  # keeps follower ranks' collectives from timing out during long idles
+
+    def _slot_of(self, t: float) -> int:
+        return int(t // self.cfg.averaging.sync_interval_s)
+
+    def _round_due(self) -> bool:
+        return self._slot_of(self.clock.now()) > self._slot
+
+    def _finish(self) -> dict[str, Any]:
+        now = self.clock.now()
+        if self.state is SOLO and self.tokens_since_sync:
+            self._end_round(SOLO)
+        self.ledger.advance(now, self.state)
+        if self.state is not IDLE:
+            self.log.info("%s -> IDLE (stopping)", self.state.value)
+        self.state = IDLE
+        self._save_checkpoint()
+        self._report(force=True)
+        self.publisher.flush()
+        summary = self.summary()
+        path = Path(self.cfg.node.run_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2))
+        self.log.info(
+            "finished: %s",
+            json.dumps({k: summary[k] for k in ("outer_round", "tokens", "energy_kwh", "emissions_g")}),
+        )
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        rounds = sorted(self.round_seconds)
+        return {
+            "site": self.cfg.name,
+            "region": self.cfg.region,
+            "peer_id": self.peer_id,
+            "outer_round": self.outer_round,
+            "lineage": self.lineage,
+            "digest": self.outer.digest(),
+            **self.counts,
+            "local_steps": self.local_steps,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "energy_kwh": self.ledger.energy_kwh,
+            "emissions_g": self.ledger.emissions_g,
+            "seconds_by_state": dict(self.ledger.seconds),
+            "first_step_s": self.first_step_s,
+            "median_round_s": rounds[len(rounds) // 2] if rounds else None,
+            "world_size": self.world.world_size,
+        }
+
+    def _close(self) -> None:
+        if self.world.distributed:
+            self._collective("stop")
+        for part in (self.view, self.averager, self.dht):
+            if part is None:
+                continue
+            try:
+                part.close() if isinstance(part, SwarmView) else part.shutdown()
+            except Exception as e:  # shutting down: report and go on with the rest
+                self.log.debug("shutdown of %s failed: %r", type(part).__name__, e)
+
+    # ------------------------------------------------------------------ rank 0 -> all ranks
+
+    def _collective(self, op: str, arg: Any = None) -> Any:
+        """Run ``op`` on every rank of the site (rank 0 announces it; followers mirror it)."""
+        if self.world.distributed:
+            self.world.broadcast(op)
+        return self._run_op(op, arg)
+
+    def _run_op(self, op: str, arg: Any) -> Any:
+        if op == "train":
+            return self.trainer.step()
+        if op == "gather":
+            return self.trainer.full_parameters()
+        if op == "load":
+            return self.trainer.load_full_parameters(arg)
+        if op == "save":
+            return self.trainer.state_dict()
+        if op == "restore":
+            return self.trainer.load_state_dict(arg)
+        if op in ("idle", "stop"):
+            return None
+        raise ValueError(f"unknown site operation {op!r}")
+
+    def _follow(self) -> None:
+        """Ranks > 0: run whatever rank 0 announces until it says stop."""
+        while True:
+            op = self.world.broadcast(None)
+            if op == "stop":
+                return
+            self._run_op(op, None)

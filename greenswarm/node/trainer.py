@@ -1,0 +1,171 @@
+"""The inner loop: a causal LM trained with AdamW on this site's shard, sharded with FSDP2 under torchrun.
+
+The node sees the model only through :class:`InnerTrainer`: one optimizer step at a time, and the
+full parameters as one flat CPU vector (gathered to rank 0 under FSDP) so the outer step and the
+averager never care how the model is laid out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from greenswarm.averaging.outer import flatten
+from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
+from greenswarm.node.distributed import World
+from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters
+from greenswarm.node.tokenizer import load_tokenizer
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int  # tokens this site trained on in the step (all ranks)
+
+
+def _shard_with_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2: shard each transformer block, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+class InnerTrainer:
+    """Owns the model, the inner optimizer and the token stream of this process."""
+
+    def __init__(self, model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: Any, world: World):
+        self.world, self.cfg = world, train_cfg
+        if train_cfg.threads:
+            torch.set_num_threads(train_cfg.threads)
+        self.tokenizer = load_tokenizer(model_cfg.tokenizer)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, device=world.device)
+        self.num_parameters = count_parameters(self.model)
+        self.shapes = [p.shape for p in self.model.parameters()]
+        if world.distributed:
+            _shard_with_fsdp(self.model)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=train_cfg.lr,
+            betas=(train_cfg.beta1, train_cfg.beta2),
+            weight_decay=train_cfg.weight_decay,
+        )
+        per_rank = train_cfg.batch_size // world.world_size
+        if per_rank < 1 or train_cfg.batch_size % world.world_size:
+            raise ValueError(
+                f"train.batch_size {train_cfg.batch_size} must be a multiple of {world.world_size} ranks"
+            )
+        self.accumulation = max(1, per_rank // train_cfg.micro_batch_size)
+        self.micro_batch = min(train_cfg.micro_batch_size, per_rank)
+        self.batches = TokenBatches(
+            sub_shard(data_cfg, world.rank, world.world_size), self.tokenizer, self.micro_batch
+        )
+        self._iterator = iter(self.batches)
+        self.steps = 0
+        self.tokens_per_step = self.micro_batch * self.accumulation * data_cfg.seq_len * world.world_size
+
+    def _lr(self) -> float:
+        warmup = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (self.steps + 1) / warmup) if warmup else self.cfg.lr
+
+    def step(self) -> StepStats:
+        """One optimizer step over ``accumulation`` micro-batches (a collective under FSDP)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+        total = 0.0
+        autocast = torch.autocast(
+            self.world.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"
+        )
+        for _ in range(self.accumulation):
+            batch = next(self._iterator).to(self.world.device, non_blocking=True)
+            with autocast:
+                loss = causal_lm_loss(self.model, batch) / self.accumulation
+            loss.backward()
+            total += float(loss.detach())
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.world.distributed:
+            box = torch.tensor([total], device=self.world.device)
+            torch.distributed.all_reduce(box)
+            total = float(box) / self.world.world_size
+        if not math.isfinite(total):
+            raise FloatingPointError(f"inner loss is {total} at step {self.steps}")
+        return StepStats(loss=total, tokens=self.tokens_per_step)
+
+    # ---- the model as one flat vector ----
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    @torch.no_grad()
+    def full_parameters(self) -> torch.Tensor | None:
+        """All parameters as one flat fp32 CPU vector on rank 0 (None elsewhere); a collective."""
+        tensors = [self._full(p.detach()).to("cpu", torch.float32) for p in self.model.parameters()]
+        return flatten(tensors) if self.world.is_leader else None
+
+    @torch.no_grad()
+    def load_full_parameters(self, flat: torch.Tensor | None) -> None:
+        """Set all parameters from rank 0's flat vector (ignored elsewhere); a collective."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        offset = 0
+        for p, shape in zip(self.model.parameters(), self.shapes, strict=True):
+            n = int(torch.Size(shape).numel())
+            if isinstance(p, DTensor):
+                full = flat[offset : offset + n].view(shape) if self.world.is_leader else torch.empty(shape)
+                full = full.to(p.device_mesh.device_type, p.dtype)
+                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(flat[offset : offset + n].view(shape))
+            offset += n
+
+    # ---- checkpoints ----
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Full model + optimizer + data position on rank 0 (a collective under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        positions = self._gather_objects(self.batches.state_dict())
+        if not self.world.is_leader:
+            return None
+        return {"model": model_sd, "optimizer": optim_sd, "data": positions, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore from rank 0's :meth:`state_dict` (a collective under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world.distributed)
+        state = state if self.world.is_leader else {}
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state.get("model", {}),
+            optim_state_dict=state.get("optimizer", {}),
+            options=options,
+        )
+        positions = self.world.broadcast(state.get("data"))
+        self.steps = int(self.world.broadcast(state.get("steps", 0)))
+        if positions:
+            self.batches.load_state_dict(positions[self.world.rank])
+            self._iterator = iter(self.batches)
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        if not self.world.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
