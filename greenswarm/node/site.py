@@ -120,7 +120,10 @@ class SiteNode:
             else:
                 self._train_step()
                 if self._round_due():
-                    self._end_round(state)
+                    self.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
+                    state = self._update_state(self.clock.now())
+                    if state is not IDLE:
+                        self._end_round(state)
             self._report()
 
     def _update_state(self, now: float) -> SiteState:

@@ -35,14 +35,19 @@ class SwarmView:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                records = fetch_records(self.dht, self.swarm)
-                with self._lock:
-                    self._records = records
-            except Exception as e:  # the DHT may be shutting down or briefly unreachable
-                log.debug("progress poll failed: %r", e)
+            self.poll_now()
             self._wake.wait(self.poll_s)
             self._wake.clear()
+
+    def poll_now(self) -> None:
+        """Read the records now, in the caller's thread (before decisions that must not use stale views)."""
+        try:
+            records = fetch_records(self.dht, self.swarm)
+        except Exception as e:  # the DHT may be shutting down or briefly unreachable
+            log.debug("progress poll failed: %r", e)
+            return
+        with self._lock:
+            self._records = records
 
     def refresh(self) -> None:
         """Ask for a poll now (e.g. right after a round, when others' records change)."""

@@ -1,0 +1,271 @@
+"""``greenswarm demo``: a bootstrap peer and three sites on this machine, replaying a day of grid intensity.
+
+Everything is real except the clock: separate processes, real p2pd daemons on 127.0.0.1, real DHT
+records and averaging rounds, a real (tiny) causal LM trained on the CPU. The trace is replayed
+faster than real time, so a day of windows opening and closing takes a few minutes. The demo writes
+each site's config to a work directory and starts the sites with ``greenswarm node``, exactly as an
+operator would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from greenswarm.errors import GreenswarmError
+from greenswarm.procs import reap_children
+
+SWARM = "greenswarm-demo"
+STARTUP_S = 25.0  # wall seconds the sites get to start (imports, model, DHT) before the replay begins
+
+
+@dataclass
+class DemoOptions:
+    trace: str | None = None
+    regions: str | None = None
+    threshold: float = 100.0
+    minutes: float = 2.5
+    hours: float | None = None
+    sync_minutes: float = 30.0
+    workdir: str | None = None
+    as_json: bool = False
+    live: bool = True
+
+
+def _site_name(region: str) -> str:
+    return "site-" + region.lower().replace("_", "-")
+
+
+def plan_sites(opts: DemoOptions) -> tuple[Any, list[str], float, float]:
+    """Check the demo's inputs before starting anything: (trace, regions, replay hours, speed-up)."""
+    from greenswarm.traces import load_trace
+
+    if opts.regions and not opts.trace:
+        trace = load_trace("builtin")
+    else:
+        trace = load_trace(opts.trace or "builtin")
+    regions = [r.strip() for r in opts.regions.split(",")] if opts.regions else trace.regions[:3]
+    missing = [r for r in regions if r not in trace.regions]
+    if missing:
+        raise GreenswarmError(
+            f"--regions: {', '.join(missing)} not in {trace.source}; it has: {', '.join(trace.regions)}"
+        )
+    if not 1 <= len(regions) <= 6 or len(set(regions)) != len(regions):
+        raise GreenswarmError("--regions: give 1 to 6 distinct regions (the demo runs one site per region)")
+    span_h = (trace.end - trace.start) / 3600
+    hours = min(opts.hours or span_h, span_h)
+    if opts.minutes <= 0 or hours <= 0:
+        raise GreenswarmError("--minutes and --hours must be > 0")
+    speedup = hours * 3600 / (opts.minutes * 60)
+    return trace, regions, hours, speedup
+
+
+def _site_config(
+    opts: DemoOptions,
+    trace_spec: str,
+    region: str,
+    index: int,
+    count: int,
+    peers: list[str],
+    speedup: float,
+    start_wall: float,
+    workdir: Path,
+) -> dict[str, Any]:
+    name = _site_name(region)
+    # a round every sync_minutes of trace time, but never less than ~3 wall seconds
+    sync_s = max(opts.sync_minutes * 60, 3.0 * speedup)
+    return {
+        "name": name,
+        "region": region,
+        "swarm": {"name": SWARM, "initial_peers": peers, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
+        "model": {"preset": "tiny"},
+        "data": {"source": "stdlib", "shard_index": index, "num_shards": count, "seq_len": 128},
+        "train": {"batch_size": 8, "micro_batch_size": 8, "threads": 1, "lr": 1e-3, "warmup_steps": 20},
+        "scheduler": {
+            "trace": trace_spec,
+            "threshold": opts.threshold,
+            "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
+        },
+        "averaging": {
+            "sync_interval_s": sync_s,
+            "matchmaking_s": 2.0,
+            "request_timeout_s": 1.0,
+            "allreduce_timeout_s": 20.0,
+            "chunk_timeout_s": 5.0,
+            "state_timeout_s": 20.0,
+        },
+        "node": {
+            "run_dir": str(workdir / name),
+            "progress_refresh_s": 1.0,
+            "progress_ttl_s": 10.0,
+            "log_every_s": 5.0,
+        },
+    }
+
+
+class _Children:
+    """The demo's child processes, each in its own session so its p2pd daemons die with it."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, args: list[str], log: Path | None) -> subprocess.Popen:
+        out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115  (closed with the process)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "greenswarm", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT if log else subprocess.PIPE,
+            start_new_session=True,
+            text=True,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():  # whatever is left, with its whole session (p2pd included)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        reap_children()
+
+
+def _start_bootstrap(children: _Children, workdir: Path) -> list[str]:
+    proc = children.start(
+        "bootstrap",
+        [
+            "bootstrap",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--identity",
+            str(workdir / "bootstrap.key"),
+            "--swarm",
+            SWARM,
+            "--json",
+        ],
+        None,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("{"):
+            return json.loads(line)["initial_peers"]
+        if not line and proc.poll() is not None:
+            raise GreenswarmError(f"the bootstrap peer exited: {proc.stderr.read().strip()[-400:]}")
+    raise GreenswarmError("the bootstrap peer did not start within 60 s")
+
+
+def run_demo(opts: DemoOptions) -> int:
+    trace, regions, hours, speedup = plan_sites(opts)
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="greenswarm-demo-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "logs").mkdir(exist_ok=True)
+    trace_spec = str(Path(opts.trace).resolve()) if opts.trace else "builtin"
+    children = _Children()
+    started = time.monotonic()
+    try:
+        peers = _start_bootstrap(children, workdir)
+        start_wall = time.time() + STARTUP_S
+        for i, region in enumerate(regions):
+            cfg = _site_config(opts, trace_spec, region, i, len(regions), peers, speedup, start_wall, workdir)
+            path = workdir / f"{cfg['name']}.yaml"
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            children.start(
+                cfg["name"], ["node", "--config", str(path)], workdir / "logs" / f"{cfg['name']}.log"
+            )
+        end_wall = start_wall + hours * 3600 / speedup
+        from greenswarm.demo_view import watch_demo
+
+        watch_demo(
+            peers, SWARM, children.procs, trace, regions, speedup, start_wall, end_wall, live=opts.live
+        )
+        failed = {n: p.returncode for n, p in children.procs.items() if n != "bootstrap" and p.returncode}
+        if failed:
+            logs = "; ".join(f"{n}: see {workdir / 'logs' / (n + '.log')}" for n in failed)
+            raise GreenswarmError(f"site(s) failed with exit codes {failed} ({logs})")
+    finally:
+        children.stop_all()
+    report = build_report(workdir, regions, trace, speedup, start_wall, hours, opts)
+    report["wall_seconds"] = round(time.monotonic() - started, 1)
+    report["workdir"] = str(workdir)
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    if opts.as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        from greenswarm.demo_view import print_report
+
+        print_report(report)
+    return 0
+
+
+def build_report(
+    workdir: Path,
+    regions: list[str],
+    trace: Any,
+    speedup: float,
+    start_wall: float,
+    hours: float,
+    opts: DemoOptions,
+) -> dict[str, Any]:
+    """Per-site and total figures from the sites' summaries, with single-site baselines for context."""
+    from greenswarm.scheduler.energy import baseline_emissions_g
+    from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
+
+    sites = []
+    for region in regions:
+        path = workdir / _site_name(region) / "summary.json"
+        if not path.exists():
+            raise GreenswarmError(
+                f"{_site_name(region)} wrote no summary ({path}); see its log in {workdir}/logs"
+            )
+        summary = json.loads(path.read_text())
+        schedule = WindowSchedule(trace, region, ThresholdPolicy(opts.threshold))
+        summary["share_in_window"] = schedule.share_in_window()
+        sites.append(summary)
+    t0, t1 = trace.start, trace.start + hours * 3600
+    kw = 2.024
+    totals = {
+        key: sum(s[key] or 0 for s in sites)
+        for key in (
+            "tokens",
+            "local_steps",
+            "energy_kwh",
+            "emissions_g",
+            "federated_rounds",
+            "solo_rounds",
+            "failed_rounds",
+            "catch_ups",
+        )
+    }
+    baselines = {r: baseline_emissions_g(trace, r, t0, t1, kw) for r in regions}
+    return {
+        "trace": trace.source,
+        "regions": regions,
+        "threshold": opts.threshold,
+        "hours": hours,
+        "speedup": round(speedup, 1),
+        "sites": sites,
+        "total": totals,
+        "baseline_continuous_g": baselines,
+        "emissions_vs_baseline": {r: totals["emissions_g"] / b if b else None for r, b in baselines.items()},
+    }

@@ -1,0 +1,152 @@
+"""What the demo shows: a live table of the sites while it runs, a report when it ends."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from greenswarm.network import start_dht
+from greenswarm.node.progress import ProgressRecord, fetch_records, record_validators
+from greenswarm.node.progress_view import progress_table
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(t))
+
+
+def _header(trace: Any, regions: list[str], speedup: float, start_wall: float, end_wall: float) -> Group:
+    now = time.time()
+    clock = trace.start + (now - start_wall) * speedup
+    done = min(1.0, max(0.0, (now - start_wall) / (end_wall - start_wall)))
+    if now < start_wall:
+        line = f"sites starting; the replay begins in {start_wall - now:.0f} s"
+    else:
+        line = (
+            f"replaying {trace.source} at {speedup:.0f}x: {_stamp(clock)}"
+            f" ({(clock - trace.start) / 3600:.1f} of {(end_wall - start_wall) * speedup / 3600:.1f} h)"
+        )
+    return Group(Text(line, style="bold"), ProgressBar(total=1.0, completed=done, width=60))
+
+
+def watch_demo(
+    peers: list[str],
+    swarm: str,
+    procs: dict[str, subprocess.Popen],
+    trace: Any,
+    regions: list[str],
+    speedup: float,
+    start_wall: float,
+    end_wall: float,
+    live: bool,
+) -> None:
+    """Show the swarm until every site process has exited (they stop at the end of the replay)."""
+    sites = [p for name, p in procs.items() if name != "bootstrap"]
+    deadline = end_wall + 120
+    dht = start_dht(
+        peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=True,
+        record_validators=record_validators(swarm),
+    )
+    console = _console()
+    last: dict[str, ProgressRecord] = {}
+    last_print = 0.0
+
+    def render() -> Group:
+        try:
+            for r in fetch_records(dht, swarm):
+                last[r.site] = r
+        except Exception:  # a poll can fail while sites come and go; keep the last view
+            pass
+        return Group(
+            _header(trace, regions, speedup, start_wall, end_wall),
+            progress_table(sorted(last.values(), key=lambda r: r.site)),
+        )
+
+    try:
+        if live and console.is_terminal:
+            with Live(render(), console=console, refresh_per_second=2) as view:
+                while any(p.poll() is None for p in sites) and time.time() < deadline:
+                    time.sleep(0.5)
+                    view.update(render())
+        else:
+            while any(p.poll() is None for p in sites) and time.time() < deadline:
+                time.sleep(1.0)
+                group = render()
+                if time.monotonic() - last_print >= 10:
+                    last_print = time.monotonic()
+                    states = ", ".join(f"{r.site} {r.state} outer {r.outer_round}" for r in last.values())
+                    console.print(f"{group.renderables[0].renderables[0].plain} | {states}")
+    finally:
+        dht.shutdown()
+
+
+def _console() -> Console:
+    """A console that does not wrap tables at 80 columns when output goes to a file or a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    console = _console()
+    table = Table(
+        title=f"greenswarm demo: {report['hours']:.1f} h of {report['trace']} "
+        f"(threshold {report['threshold']:g} gCO2/kWh) in {report['wall_seconds']:.0f} s",
+        header_style="bold",
+    )
+    for col in (
+        "site",
+        "region",
+        "in window",
+        "outer steps",
+        "federated",
+        "solo",
+        "failed",
+        "tokens",
+        "loss",
+        "energy kWh",
+        "CO2 g",
+    ):
+        table.add_column(col, justify="left" if col in ("site", "region") else "right")
+    for s in report["sites"]:
+        table.add_row(
+            s["site"],
+            s["region"],
+            f"{s['share_in_window']:.0%}",
+            str(s["outer_round"]),
+            str(s["federated_rounds"]),
+            str(s["solo_rounds"]),
+            str(s["failed_rounds"]),
+            f"{s['tokens']:,}",
+            "-" if s["loss"] is None else f"{s['loss']:.3f}",
+            f"{s['energy_kwh']:.2f}",
+            f"{s['emissions_g']:,.0f}",
+        )
+    t = report["total"]
+    table.add_row(
+        "total",
+        "",
+        "",
+        "",
+        str(t["federated_rounds"]),
+        str(t["solo_rounds"]),
+        str(t["failed_rounds"]),
+        f"{t['tokens']:,}",
+        "",
+        f"{t['energy_kwh']:.2f}",
+        f"{t['emissions_g']:,.0f}",
+        style="bold",
+    )
+    console.print(table)
+    lines = [f"  {r}: {g / 1000:.2f} kg" for r, g in report["baseline_continuous_g"].items()]
+    console.print(
+        "one site training continuously (2.024 kW) over the same hours would emit:\n" + "\n".join(lines)
+    )
+    console.print(f"configs, logs, checkpoints and report.json: {report['workdir']}")
