@@ -84,8 +84,13 @@ class NodeConfig:
     idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
     stop_at_trace_end: bool = True
     log_every_s: float = 10.0
+    keep_globals: int = (
+        0  # keep the global model of the last N outer steps in run_dir/globals (for inspection)
+    )
 
     def validate(self) -> None:
+        if self.keep_globals < 0:
+            raise ConfigError(f"must be >= 0, got {self.keep_globals}", field="keep_globals")
         for name in ("progress_refresh_s", "progress_ttl_s", "swarm_poll_s", "idle_wall_s", "log_every_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)

@@ -135,7 +135,14 @@ class SiteNode:
             old, self.state = self.state, new
             window = self.schedule.current(now)
             until = f" (window until {_fmt_clock(window.end)})" if window else ""
-            self.log.info("%s -> %s at %s%s", old.value, new.value, _fmt_clock(now), until)
+            self.log.info(
+                "%s -> %s at %s%s after %d local steps",
+                old.value,
+                new.value,
+                _fmt_clock(now),
+                until,
+                self.local_steps,
+            )
             if old is IDLE:
                 self._slot = self._slot_of(now)  # the first round ends at the next boundary
                 self._catch_up(in_window_only=False)
@@ -190,8 +197,20 @@ class SiteNode:
             self.loss or float("nan"),
         )
         self._save_checkpoint()
+        self._keep_global()
         self._report(force=True)
         self.view.refresh()
+
+    def _keep_global(self) -> None:
+        """Keep this outer step's global model if ``node.keep_globals`` asks (named by step and lineage)."""
+        keep = self.cfg.node.keep_globals
+        if not keep:
+            return
+        directory = Path(self.cfg.node.run_dir) / "globals"
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.outer.params.clone(), directory / f"outer-{self.outer_round:06d}-{self.lineage}.pt")
+        for old in sorted(directory.glob("outer-*.pt"))[:-keep]:
+            old.unlink(missing_ok=True)
 
     def _average(self, delta: torch.Tensor) -> RoundOutcome:
         partners = [
