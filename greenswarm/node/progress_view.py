@@ -75,6 +75,11 @@ def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: fl
     try:
         if watch is None:
             records = fetch_records(dht, swarm)
+            for _ in range(6):  # a just-started client may need a moment before lookups find the records
+                if records:
+                    break
+                time.sleep(0.5)
+                records = fetch_records(dht, swarm)
             if as_json:
                 print(records_json(records))
             elif records:

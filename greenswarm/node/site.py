@@ -213,13 +213,12 @@ class SiteNode:
             old.unlink(missing_ok=True)
 
     def _average(self, delta: torch.Tensor) -> RoundOutcome:
-        partners = [
-            r
-            for r in self.view.others_in_window()
-            if (r.outer_round, r.lineage) == (self.outer_round, self.lineage)
-        ]
+        # after _catch_up no site in a window is ahead of this one, and those behind catch up to it before
+        # they average, so every site in a window is expected in the group (a group of the ones in
+        # step now would fill up and shut out a site that is catching up at this very boundary)
+        partners = self.view.others_in_window()
         if not partners:
-            return RoundOutcome(False, reason="no site in a window shares this global state yet")
+            return RoundOutcome(False, reason="no other site is in a window any more")
         outcome = self.averager.average(
             delta,
             weight=self.tokens_since_sync,

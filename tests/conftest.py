@@ -1,0 +1,244 @@
+"""Shared fixtures: a harness that starts real greenswarm processes and reaps every one of them.
+
+Multi-peer tests run the real commands (``python -m greenswarm bootstrap|node|progress``) with real
+p2pd daemons on 127.0.0.1 and ephemeral ports. Each process starts in its own session, so killing
+the session kills its p2pd daemons too; after every test the harness checks that no p2pd started
+during the test is still alive, and fails the test if one is (after killing it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: process sessions whose daemons belong to this test run: pytest's own and each harness child's
+#: (a daemon keeps its session when its parent dies, so this finds orphans without touching other
+#: programs' p2pd daemons on a shared machine)
+SESSIONS: set[int] = {os.getsid(0)}
+
+
+def _p2pd_started_after(t0: float) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "create_time"]):
+        try:
+            if (
+                proc.info["name"] == "p2pd"
+                and proc.info["create_time"] >= t0 - 1
+                and os.getsid(proc.pid) in SESSIONS
+            ):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_orphan_daemons() -> Iterator[None]:
+    """Fail any test that leaves a p2pd daemon behind (and kill it, so others are not affected)."""
+    t0 = time.time()
+    yield
+    deadline = time.monotonic() + 10
+    left = _p2pd_started_after(t0)
+    while left and time.monotonic() < deadline:  # daemons of a cleanly stopped peer exit within moments
+        time.sleep(0.5)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for proc in left:
+        proc.kill()
+    if left:
+        pytest.fail(f"{len(left)} p2pd daemon(s) left running after the test")
+
+
+class Swarm:
+    """Starts greenswarm commands as separate processes and reaps them all at the end of a test."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def command(self, name: str, *args: str, prefix: list[str] | None = None) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        self.logs[name] = log
+        cmd = (prefix or [sys.executable, "-m", "greenswarm"]) + list(args)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # noqa: SIM115
+            env=self.env,
+            cwd=self.tmp,
+        )
+        self.procs[name] = proc
+        SESSIONS.add(proc.pid)  # start_new_session: the child's pid is its session id
+        return proc
+
+    def bootstrap(self, name: str = "bootstrap", swarm: str = "test") -> list[str]:
+        """Start a bootstrap peer and return its --initial-peers multiaddrs."""
+        self.command(
+            name,
+            "bootstrap",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--identity",
+            str(self.tmp / f"{name}.key"),
+            "--swarm",
+            swarm,
+            "--json",
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for line in self.logs[name].read_text().splitlines():
+                if line.startswith("{"):
+                    return json.loads(line)["initial_peers"]
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"bootstrap exited: {self.logs[name].read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise TimeoutError("bootstrap did not start")
+
+    def write_config(self, name: str, cfg: dict[str, Any]) -> Path:
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def node(self, name: str, config: Path, *extra: str, prefix: list[str] | None = None) -> subprocess.Popen:
+        if prefix:
+            return self.command(
+                name, "-m", "greenswarm", "node", "--config", str(config), *extra, prefix=prefix
+            )
+        return self.command(name, "node", "--config", str(config), *extra)
+
+    def run(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        """Run a short greenswarm command to completion (e.g. ``progress --json``)."""
+        return subprocess.run(
+            [sys.executable, "-m", "greenswarm", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            cwd=self.tmp,
+            start_new_session=True,
+        )
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{name} did not finish in {timeout} s; log:\n{self.log(name)[-3000:]}"
+            ) from None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a process's whole session (its p2pd daemons included)."""
+        try:
+            os.killpg(self.procs[name].pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            self.procs[name].wait()
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    harness = Swarm(tmp_path)
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def write_trace(
+    path: Path, regions: dict[str, list[float]], start: str = "2026-01-01T00:00:00Z", step_s: int = 300
+) -> Path:
+    """A wide CSV trace with one value per ``step_s`` per region (all lists the same length)."""
+    from datetime import datetime, timedelta
+
+    t0 = datetime.fromisoformat(start.replace("Z", "+00:00"))
+    names = list(regions)
+    rows = ["time," + ",".join(names)]
+    for i in range(len(regions[names[0]])):
+        stamp = (t0 + timedelta(seconds=i * step_s)).isoformat().replace("+00:00", "Z")
+        rows.append(stamp + "," + ",".join(str(regions[n][i]) for n in names))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def site_config(
+    name: str,
+    region: str,
+    trace: Path,
+    peers: list[str],
+    run_dir: Path,
+    *,
+    speedup: float,
+    start_wall: float,
+    sync_s: float,
+    shard: int = 0,
+    shards: int = 1,
+    **sections: Any,
+) -> dict:
+    """A small, fast site config for multi-process tests (tiny model, one thread, replay clock)."""
+    cfg: dict[str, Any] = {
+        "name": name,
+        "region": region,
+        "swarm": {"name": "test", "initial_peers": peers, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
+        "data": {"shard_index": shard, "num_shards": shards, "seq_len": 64},
+        "train": {"threads": 1, "batch_size": 4, "micro_batch_size": 4},
+        "scheduler": {
+            "trace": str(trace),
+            "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
+        },
+        "averaging": {
+            "sync_interval_s": sync_s,
+            "matchmaking_s": 2.0,
+            "request_timeout_s": 1.0,
+            "allreduce_timeout_s": 20.0,
+            "chunk_timeout_s": 5.0,
+            "state_timeout_s": 20.0,
+        },
+        "node": {
+            "run_dir": str(run_dir),
+            "progress_refresh_s": 1.0,
+            "progress_ttl_s": 8.0,
+            "log_every_s": 5.0,
+        },
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg

@@ -1,0 +1,81 @@
+"""Atomic checkpoints: a crash mid-save must never cost a site its last good state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from greenswarm.node.checkpoint import Checkpointer
+
+
+def payload(step: int) -> dict[str, object]:
+    return {"outer": [torch.full((3,), float(step)), torch.zeros(3)], "site": {"local_steps": step}}
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    """What is saved is what comes back (tensors and plain data), newest first."""
+    ckpt = Checkpointer(tmp_path / "run")
+    assert ckpt.save(payload(1)) == tmp_path / "run" / "checkpoint.pt"
+    ckpt.save(payload(2))
+    loaded = ckpt.load()
+    assert loaded is not None
+    assert loaded["site"] == {"local_steps": 2}
+    assert torch.equal(loaded["outer"][0], torch.full((3,), 2.0))
+    assert (tmp_path / "run" / "checkpoint.prev.pt").exists()
+
+
+def test_new_checkpointer_reads_an_old_directory(tmp_path: Path) -> None:
+    """A restarted node builds a fresh Checkpointer on the same run_dir and resumes."""
+    Checkpointer(tmp_path).save(payload(5))
+    loaded = Checkpointer(tmp_path).load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 5
+
+
+def test_torn_newest_file_falls_back_to_previous(tmp_path: Path) -> None:
+    """A corrupted checkpoint.pt (torn write, disk error) loads checkpoint.prev.pt instead."""
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(1))
+    ckpt.save(payload(2))
+    data = ckpt.path.read_bytes()
+    ckpt.path.write_bytes(data[: len(data) // 2])  # torn
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 1
+    ckpt.path.write_bytes(b"\x00garbage, not a torch file" * 10)  # plain garbage
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 1
+
+
+def test_unknown_format_is_ignored(tmp_path: Path) -> None:
+    """A readable file of another format (not a dict with our version) is not trusted as a checkpoint."""
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(1))
+    ckpt.save(payload(2))
+    torch.save([1, 2, 3], ckpt.path)
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 1
+
+
+def test_both_unreadable_is_none(tmp_path: Path) -> None:
+    """With no readable checkpoint the node starts fresh rather than crashing."""
+    ckpt = Checkpointer(tmp_path)
+    ckpt.path.write_bytes(b"junk")
+    ckpt.previous.write_bytes(b"junk")
+    assert ckpt.load() is None
+
+
+def test_missing_directory_is_none(tmp_path: Path) -> None:
+    """A first start (no run_dir yet) is not an error, and loading creates nothing."""
+    ckpt = Checkpointer(tmp_path / "does" / "not" / "exist")
+    assert ckpt.load() is None
+    assert not (tmp_path / "does").exists()
+
+
+def test_save_leaves_no_tmp_file(tmp_path: Path) -> None:
+    """The temporary file is renamed into place; only the two checkpoints remain."""
+    ckpt = Checkpointer(tmp_path / "run")
+    for step in range(3):
+        ckpt.save(payload(step))
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == ["checkpoint.prev.pt", "checkpoint.pt"]
+    assert not list((tmp_path / "run").glob("*.tmp"))
