@@ -326,10 +326,11 @@ class SiteNode:
         self.counts.update(site["counts"])
         self.ledger.load_state_dict(payload["ledger"])
         self.log.info(
-            "resumed from %s: outer step %d, %d local steps",
+            "resumed from %s: outer step %d, %d local steps, global digest %s",
             self.checkpointer.path,
             self.outer_round,
             self.local_steps,
+            self.outer.digest(),
         )
 
     def _save_checkpoint(self) -> None:
