@@ -71,12 +71,19 @@ def plain_tokens_per_s(seconds: float) -> dict[str, float]:
 
     for _ in range(SKIP_STEPS):
         step()
-    tokens, steps, started = 0, 0, time.monotonic()
-    while time.monotonic() - started < seconds:
+    tokens, started = 0, time.monotonic()
+    times = [started]
+    while times[-1] - started < seconds:
         tokens += step()
-        steps += 1
-    elapsed = time.monotonic() - started
-    return {"tokens_per_s": tokens / elapsed, "steps": steps, "seconds": elapsed, "step_s": elapsed / steps}
+        times.append(time.monotonic())
+    elapsed = times[-1] - started
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "steps": len(gaps),
+        "seconds": elapsed,
+        "median_step_s": gaps[len(gaps) // 2],
+    }
 
 
 # --------------------------------------------------------------------------------------- swarm on
@@ -253,7 +260,7 @@ def _median(values: list[float]) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=75.0, help="wall seconds of each swarm run (75)")
-    parser.add_argument("--plain-seconds", type=float, default=20.0, help="wall seconds of a plain run (20)")
+    parser.add_argument("--plain-seconds", type=float, default=30.0, help="wall seconds of a plain run (30)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved plain/swarm repeats (3)")
     parser.add_argument("--sites", type=int, default=1, choices=range(1, len(REGIONS) + 1), help="sites (1)")
     parser.add_argument("--speedup", type=float, default=20.0, help="replay speed-up (20)")
@@ -295,12 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         "swarm_tokens_per_s": swarm_tps,
         "ratio": swarm_tps / plain_tps,
         "goal": 0.97,
-        "plain_step_s": _median([p["step_s"] for p in plain]),
+        "plain_step_s": _median([p["median_step_s"] for p in plain]),
         "swarm_step_s": _median([s["median_step_s"] for s in swarm]),
+        "step_ratio": _median([p["median_step_s"] for p in plain])
+        / _median([s["median_step_s"] for s in swarm]),
         "first_step_s": _median([s["first_step_s"] for s in swarm]),
         "round_wall_s": _median([r for s in swarm for r in s["round_wall_s"]]),
         "median_round_s": _median([s["median_round_s"] for s in swarm]),
         "rounds_per_run": _median([s["rounds"] for s in swarm]),
+        "load_average": os.getloadavg(),
         "failed_rounds": sum(s["failed_rounds"] for s in swarm),
         "settings": {
             "seconds": args.seconds,
@@ -325,18 +335,24 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"plain torch loop    {plain_tps:10,.0f} tokens/s  (median of {len(plain)}; "
-        f"step {fmt(result['plain_step_s'], '.4f')} s)"
+        f"median step {fmt(result['plain_step_s'], '.4f')} s)"
     )
     print(
         f"site node, swarm on {swarm_tps:10,.0f} tokens/s  (median of {len(swarm)}; "
-        f"step {fmt(result['swarm_step_s'], '.4f')} s; {args.sites} site(s), a round every "
+        f"median step {fmt(result['swarm_step_s'], '.4f')} s; {args.sites} site(s), a round every "
         f"{args.sync / args.speedup:g} wall s)"
     )
     print(f"ratio               {result['ratio']:10.3f}  (goal >= 0.97)")
+    print(
+        f"median step ratio   {result['step_ratio']:10.3f}  (plain median step / node median step: the same "
+        "comparison without rare stalls, robust to other load on the machine)"
+    )
     print(f"node start -> first training step  {fmt(result['first_step_s'])} s")
     print(f"outer round as the loop sees it    {fmt(result['round_wall_s'], '.3f')} s (median)")
     print(f"averaging round (federated)        {fmt(result['median_round_s'], '.3f')} s (median_round_s)")
     print(f"rounds per run {fmt(result['rounds_per_run'], 'g')}, failed rounds {result['failed_rounds']}")
+    load = ", ".join(f"{x:.2f}" for x in result["load_average"])
+    print(f"load average at the end: {load} on {os.cpu_count()} CPUs (other work on the machine adds noise)")
     return 0
 
 

@@ -1,0 +1,29 @@
+"""The bootstrap peer keeps its identity across restarts and exits cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Swarm
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_bootstrap_keeps_identity_and_exits_cleanly(swarm: Swarm, tmp_path: Path, sig: int) -> None:
+    first = swarm.bootstrap("boot-1")
+    key = tmp_path / "boot-1.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    swarm.kill("boot-1", sig)
+    assert swarm.wait("boot-1", timeout=30) == 0  # clean exit; the fixture checks no p2pd is left
+
+    key.rename(tmp_path / "boot-2.key")  # the same identity file, used by a new process
+    second = swarm.bootstrap("boot-2")
+    peer_id = first[0].rsplit("/p2p/", 1)[1]
+    assert second[0].rsplit("/p2p/", 1)[1] == peer_id
+    swarm.kill("boot-2", signal.SIGTERM)
+    assert swarm.wait("boot-2", timeout=30) == 0
