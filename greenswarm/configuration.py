@@ -10,6 +10,7 @@ raise :class:`~greenswarm.errors.ConfigError` with the field's own name.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import types
 import typing
@@ -123,6 +124,8 @@ def _convert(value: Any, annotation: Any, field: str) -> Any:
     if annotation is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, datetime.date):  # YAML reads an unquoted ISO time as a datetime
+            return value.isoformat().replace("+00:00", "Z")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"expected a string, got {_describe(value)}", field=field)
@@ -228,7 +231,17 @@ def load_config(
             key = text.partition("=")[0].strip()
             if field and (field == key or field.startswith(key + ".") or key.startswith(field + ".")):
                 raise ConfigError(e.message, field=e.field, where=f"--set {text}") from None
+        if overrides and _valid(cls, data):  # the file alone is fine: a cross-field check an override broke
+            raise ConfigError(e.message, field=e.field, where="--set " + " --set ".join(overrides)) from None
         raise _locate(e, source, lines) from None
+
+
+def _valid(cls: type, data: dict[str, Any]) -> bool:
+    try:
+        _build(cls, data)
+    except ConfigError:
+        return False
+    return True
 
 
 def config_from_dict(cls: type[T], data: dict[str, Any], source: str = "<dict>") -> T:

@@ -44,7 +44,13 @@ def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:
 def on_termination(callback: Callable[[], None]) -> None:
     """Call ``callback`` on SIGINT/SIGTERM (once; a second signal interrupts for real)."""
 
+    owner = os.getpid()
+
     def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:  # a forked child (hivemind's DHT/averager) inherited this: just exit
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         log.info("received %s: finishing cleanly", signal.Signals(signum).name)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

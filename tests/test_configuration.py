@@ -219,13 +219,8 @@ def test_dump_yaml_round_trip(tmp_path: Path) -> None:
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: YAML reads an unquoted ISO time as a datetime and the str check refuses it "
-    "(greenswarm/configuration.py _convert, annotation is str)",
-)
 def test_unquoted_iso_time_is_accepted(tmp_path: Path) -> None:
-    """Users write ``start: 2026-01-11T17:00:00Z`` unquoted, as the docs show it; that must load."""
+    """A user naturally writes ``start: 2026-01-11T17:00:00Z`` unquoted; YAML makes it a datetime."""
     path = write(tmp_path, "name: s\nregion: DE\nscheduler:\n  clock:\n    start: 2026-01-11T17:00:00Z\n")
     cfg = load_site_config(path)
     assert cfg.scheduler.clock.start is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+from greenswarm.errors import ConfigError
 from greenswarm.network import check_peers
 from greenswarm.node.config import load_site_config
 from greenswarm.procs import on_termination, reap_children
@@ -21,7 +22,10 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
 
     from greenswarm.node.site import SiteNode
 
-    node = SiteNode(cfg)
+    try:
+        node = SiteNode(cfg)
+    except ConfigError as e:  # checks that need the trace (the region) still point at the config file
+        raise e.located(where=e.where or config) from None
     on_termination(node.request_stop)
     try:
         summary = node.run()

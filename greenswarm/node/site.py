@@ -59,7 +59,7 @@ class SiteNode:
         trace = load_trace(cfg.scheduler.trace, tz=cfg.scheduler.timezone)
         if cfg.region not in trace.regions:
             raise ConfigError(
-                f"region {cfg.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
+                f"{cfg.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
                 field="region",
             )
         self.trace = trace
