@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
 from greenswarm.errors import GreenswarmError
 from greenswarm.procs import reap_children
 
@@ -96,14 +97,7 @@ def _site_config(
             "threshold": opts.threshold,
             "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
         },
-        "averaging": {
-            "sync_interval_s": sync_s,
-            "matchmaking_s": 2.0,
-            "request_timeout_s": 1.0,
-            "allreduce_timeout_s": 20.0,
-            "chunk_timeout_s": 5.0,
-            "state_timeout_s": 20.0,
-        },
+        "averaging": {"sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
         "node": {
             "run_dir": str(workdir / name),
             "progress_refresh_s": 1.0,

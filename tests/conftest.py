@@ -22,6 +22,8 @@ import psutil
 import pytest
 import yaml
 
+from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: process sessions whose daemons belong to this test run: pytest's own and each harness child's
@@ -224,14 +226,7 @@ def site_config(
             "trace": str(trace),
             "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
         },
-        "averaging": {
-            "sync_interval_s": sync_s,
-            "matchmaking_s": 2.0,
-            "request_timeout_s": 1.0,
-            "allreduce_timeout_s": 20.0,
-            "chunk_timeout_s": 5.0,
-            "state_timeout_s": 20.0,
-        },
+        "averaging": {"sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
         "node": {
             "run_dir": str(run_dir),
             "progress_refresh_s": 1.0,

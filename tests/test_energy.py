@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
-from _shared import shared_path
 
 from greenswarm.scheduler import EnergyLedger, PowerModel, SiteState, baseline_emissions_g
 from greenswarm.traces import Trace, read_csv_trace
+from tests._shared import shared_path
 
 # Hourly samples: 50 g/kWh for the first hour, 200 for the second, 10 for the third (to 10800 s).
 HOURLY = Trace(np.array([0.0, 3600.0, 7200.0]), {"R": np.array([50.0, 200.0, 10.0])}, 3600.0, "hourly")

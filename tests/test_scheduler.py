@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _shared import shared_path
 
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler import (
@@ -23,6 +22,7 @@ from greenswarm.scheduler import (
 )
 from greenswarm.scheduler import clock as clock_module
 from greenswarm.traces import Trace, builtin_trace, read_csv_trace
+from tests._shared import shared_path
 
 # Samples every 60 s from t=1000; below 100 at indices 1-2, 4, 7-8 (the last, running to the trace end).
 HAND = Trace(

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _shared import shared_path
 
 from greenswarm.errors import TraceError
 from greenswarm.traces import BUILTIN_TRACES, Trace, builtin_trace, load_trace, read_csv_trace
+from tests._shared import shared_path
 
 T0 = datetime(2026, 1, 11, 17, 0, tzinfo=UTC).timestamp()
 
@@ -262,7 +262,7 @@ def test_builtin_parameters():
     trace = builtin_trace(start="2026-06-01T00:00:00+02:00", hours=1.0, step_s=60.0)
     assert len(trace.times) == 60
     assert trace.start == datetime(2026, 5, 31, 22, tzinfo=UTC).timestamp()
-    with pytest.raises(TraceError, match="needs a UTC offset"):
+    with pytest.raises(TraceError, match="has no UTC offset"):
         builtin_trace(start="2026-06-01T00:00:00")
     with pytest.raises(TraceError, match="step_s must be > 0"):
         builtin_trace(step_s=0)

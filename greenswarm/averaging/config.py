@@ -11,6 +11,15 @@ OUTER_KINDS = ("diloco", "fedavg")
 #: wire codecs that work with hivemind 1.1.12 on numpy 2.x (its 8-bit codecs are broken there)
 WIRE_CODECS = ("fp32", "fp16", "scaled-fp16")
 
+#: averaging timeouts for sites on one machine (the demo, tests): rounds that last a few wall seconds
+LOOPBACK_TIMEOUTS = {
+    "matchmaking_s": 2.0,
+    "request_timeout_s": 1.0,
+    "allreduce_timeout_s": 20.0,
+    "chunk_timeout_s": 5.0,
+    "state_timeout_s": 20.0,
+}
+
 
 def _positive(value: float, name: str, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from functools import partial
 
 import numpy as np
@@ -79,13 +78,13 @@ DEFAULT_BUILTIN = "anchor3"
 
 
 def _parse_start(text: str) -> float:
+    from greenswarm.errors import ConfigError
+    from greenswarm.scheduler.clock import parse_instant
+
     try:
-        stamp = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise TraceError(f"builtin trace: cannot parse start '{text}' (expected ISO 8601)") from None
-    if stamp.tzinfo is None:
-        raise TraceError(f"builtin trace: start '{text}' needs a UTC offset or Z")
-    return stamp.timestamp()
+        return parse_instant(text)
+    except ConfigError as e:
+        raise TraceError(f"builtin trace: start: {e.message}") from None
 
 
 def builtin_trace(
