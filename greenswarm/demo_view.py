@@ -6,7 +6,7 @@ import subprocess
 import time
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -14,7 +14,7 @@ from rich.text import Text
 
 from greenswarm.network import start_dht
 from greenswarm.node.progress import ProgressRecord, fetch_records, record_validators
-from greenswarm.node.progress_view import progress_table
+from greenswarm.node.progress_view import progress_table, wide_console
 
 
 def _stamp(t: float) -> str:
@@ -55,7 +55,7 @@ def watch_demo(
         client_mode=True,
         record_validators=record_validators(swarm),
     )
-    console = _console()
+    console = wide_console()
     last: dict[str, ProgressRecord] = {}
     last_print = 0.0
 
@@ -88,14 +88,8 @@ def watch_demo(
         dht.shutdown()
 
 
-def _console() -> Console:
-    """A console that does not wrap tables at 80 columns when output goes to a file or a pipe."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
 def print_report(report: dict[str, Any]) -> None:
-    console = _console()
+    console = wide_console()
     table = Table(
         title=f"greenswarm demo: {report['hours']:.1f} h of {report['trace']} "
         f"(threshold {report['threshold']:g} gCO2/kWh) in {report['wall_seconds']:.0f} s",

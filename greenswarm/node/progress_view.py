@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Sequence
 
+from rich.console import Console
 from rich.table import Table
 
 from greenswarm.node.progress import ProgressRecord
@@ -57,9 +58,14 @@ def records_json(records: Sequence[ProgressRecord]) -> str:
     return json.dumps([r.to_wire() for r in records], indent=2)
 
 
+def wide_console() -> Console:
+    """A console that does not squeeze tables into 80 columns when output goes to a file or a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
 def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: float | None) -> int:
     """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them."""
-    from rich.console import Console
     from rich.live import Live
 
     from greenswarm.network import start_dht
@@ -71,7 +77,7 @@ def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: fl
         client_mode=True,
         record_validators=record_validators(swarm),
     )
-    console = Console()
+    console = wide_console()
     try:
         if watch is None:
             records = fetch_records(dht, swarm)
@@ -90,6 +96,12 @@ def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: fl
         if as_json:
             while True:
                 print(json.dumps([r.to_wire() for r in fetch_records(dht, swarm)]), flush=True)
+                time.sleep(watch)
+        if not console.is_terminal:  # a pipe or a file: one table per refresh, no cursor tricks
+            while True:
+                console.print(
+                    progress_table(fetch_records(dht, swarm), title=f"swarm '{swarm}' at {time.ctime()}")
+                )
                 time.sleep(watch)
         with Live(
             progress_table([], title=f"swarm '{swarm}'"), console=console, refresh_per_second=4
