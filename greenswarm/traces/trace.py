@@ -1,6 +1,6 @@
 """The in-memory trace: grid carbon intensity per region, sampled on one shared time axis.
 
-Every reader (CSV files now; WattTime, Electricity Maps and Vessim formats later) produces this one
+Every reader (wide and long CSV, WattTime, Electricity Maps and Vessim exports) produces this one
 type, so window policies and energy accounting never care where the numbers came from.
 
 A trace is a *hold-last* step function: the sample at ``times[i]`` is the intensity on
