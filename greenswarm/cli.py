@@ -19,6 +19,9 @@ a swarm across sites:
   greenswarm node --config site.yaml --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
   greenswarm progress --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
 
+how much training time would a grid give?
+  greenswarm windows --trace mci.csv --region CAISO_NORTH --threshold 100 --plot windows.png
+
 everything on this machine, offline, in a few minutes:
   greenswarm demo
 """
@@ -133,6 +136,39 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", metavar="DIR", help="keep configs, logs and checkpoints here")
     demo.add_argument("--json", action="store_true", help="print the final report as JSON")
     demo.add_argument("--no-live", action="store_true", help="no live table (plain log lines)")
+
+    win = sub.add_parser(
+        "windows",
+        help="list the curtailment windows a rule finds in one region of a trace",
+        description="Read a trace (wide, long or Electricity Maps CSV) and list the windows in which a "
+        "site in REGION would train: intensity below a fixed threshold (default 100 gCO2/kWh) or below "
+        "a percentile of the region's own trace. Prints each window (UTC), the share of the trace in "
+        "window and the mean intensity in and out of windows; optionally plots them to a PNG.",
+    )
+    win.add_argument("--trace", required=True, metavar="CSV", help="trace file, or builtin / builtin:<name>")
+    win.add_argument("--region", required=True, help="the region (column or zone id) to examine")
+    rule = win.add_mutually_exclusive_group()
+    rule.add_argument(
+        "--threshold", type=float, metavar="G", help="train while intensity < G gCO2/kWh (default 100)"
+    )
+    rule.add_argument(
+        "--percentile",
+        type=float,
+        metavar="P",
+        help="train while intensity < the P-th percentile (0-100] of the region's whole trace",
+    )
+    win.add_argument("--tz", metavar="TZ", help="IANA timezone of naive timestamps, e.g. Europe/Berlin")
+    win.add_argument(
+        "--units", default="g/kWh", help="units of the file's values: g/kWh (default), kg/kWh, lbs/MWh"
+    )
+    win.add_argument(
+        "--variant", default="direct", help="Electricity Maps column: direct (default) or lca (life cycle)"
+    )
+    win.add_argument(
+        "--min-window-s", type=float, default=0.0, metavar="S", help="drop windows shorter than S seconds"
+    )
+    win.add_argument("--plot", metavar="PNG", help="also write a plot of intensity and windows to PNG")
+    win.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
 
@@ -192,5 +228,20 @@ def _dispatch(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 live=not args.no_live,
             )
+        )
+    if args.command == "windows":
+        from greenswarm.scheduler.windows_report import run_windows
+
+        return run_windows(
+            args.trace,
+            args.region,
+            threshold=args.threshold,
+            percentile=args.percentile,
+            tz=args.tz,
+            units=args.units,
+            variant=args.variant,
+            min_window_s=args.min_window_s,
+            plot=args.plot,
+            as_json=args.json,
         )
     raise AssertionError(args.command)

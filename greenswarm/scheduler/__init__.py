@@ -3,7 +3,13 @@
 from greenswarm.scheduler.clock import Clock, ReplayClock, ScaledClock, WallClock, make_clock, parse_instant
 from greenswarm.scheduler.config import ClockConfig, EnergyConfig, SchedulerConfig
 from greenswarm.scheduler.energy import EnergyLedger, PowerModel, baseline_emissions_g
-from greenswarm.scheduler.policy import ThresholdPolicy, Window, WindowPolicy, WindowSchedule
+from greenswarm.scheduler.policy import (
+    PercentilePolicy,
+    ThresholdPolicy,
+    Window,
+    WindowPolicy,
+    WindowSchedule,
+)
 from greenswarm.scheduler.state import SiteState, decide_state
 
 __all__ = [
@@ -11,6 +17,7 @@ __all__ = [
     "ClockConfig",
     "EnergyConfig",
     "EnergyLedger",
+    "PercentilePolicy",
     "PowerModel",
     "ReplayClock",
     "ScaledClock",

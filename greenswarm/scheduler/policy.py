@@ -2,8 +2,8 @@
 
 A policy turns one region's trace into a list of curtailment windows, computed once up front. That
 keeps the per-poll question ("am I in a window now, and when does it end?") a lookup, lets a site
-publish its window end to the swarm, and lets every policy (threshold now; hysteresis, percentile and
-look-ahead later) plug in behind the one :class:`WindowPolicy` interface.
+publish its window end to the swarm, and lets every policy (threshold and percentile now; hysteresis
+and look-ahead later) plug in behind the one :class:`WindowPolicy` interface.
 """
 
 from __future__ import annotations
@@ -72,6 +72,38 @@ class ThresholdPolicy:
 
     def __repr__(self) -> str:
         return f"ThresholdPolicy(threshold={self.threshold}, min_window_s={self.min_window_s})"
+
+
+class PercentilePolicy:
+    """In a window while intensity < the ``percentile``-th percentile of the region's own trace.
+
+    A fixed threshold suits one grid but not another (100 gCO2/kWh is most of the year in France and
+    rarely reached in Poland); a percentile asks for "the cleanest P % of this grid's hours" wherever a
+    site is. The percentile is taken over the *whole* trace (numpy's linear interpolation), which is
+    what an offline replay or a year-long export needs; a rolling period (the last N days, so that a
+    live site adapts to the season) comes later. Ties at the cut-off count as outside the window, so
+    the share in window is at most about P %. Windows shorter than ``min_window_s`` are dropped.
+    """
+
+    def __init__(self, percentile: float, min_window_s: float = 0.0):
+        if not (math.isfinite(percentile) and 0 < percentile <= 100):
+            raise ValueError(f"percentile must be a number in (0, 100], got {percentile}")
+        if not (math.isfinite(min_window_s) and min_window_s >= 0):
+            raise ValueError(f"min_window_s must be a finite number >= 0, got {min_window_s}")
+        self.percentile = float(percentile)
+        self.min_window_s = float(min_window_s)
+
+    def threshold(self, trace: Trace, region: str) -> float:
+        """The effective threshold (gCO2/kWh) for ``region``: its trace's ``percentile``-th percentile."""
+        return float(np.percentile(trace.series(region), self.percentile))
+
+    def windows(self, trace: Trace, region: str) -> list[Window]:
+        series = trace.series(region)
+        found = runs_to_windows(trace, series < self.threshold(trace, region))
+        return [w for w in found if w.duration >= self.min_window_s]
+
+    def __repr__(self) -> str:
+        return f"PercentilePolicy(percentile={self.percentile}, min_window_s={self.min_window_s})"
 
 
 class WindowSchedule:
