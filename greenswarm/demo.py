@@ -190,9 +190,7 @@ def run_demo(opts: DemoOptions) -> int:
         end_wall = start_wall + hours * 3600 / speedup
         from greenswarm.demo_view import watch_demo
 
-        watch_demo(
-            peers, SWARM, children.procs, trace, regions, speedup, start_wall, end_wall, live=opts.live
-        )
+        watch_demo(peers, SWARM, children.procs, trace, speedup, start_wall, end_wall, live=opts.live)
         failed = {n: p.returncode for n, p in children.procs.items() if n != "bootstrap" and p.returncode}
         if failed:
             logs = "; ".join(f"{n}: see {workdir / 'logs' / (n + '.log')}" for n in failed)

@@ -12,8 +12,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from greenswarm.network import start_dht
-from greenswarm.node.progress import ProgressRecord, fetch_records, record_validators
+from greenswarm.node.progress import ProgressRecord, fetch_records, open_reader
 from greenswarm.node.progress_view import progress_table, wide_console
 
 
@@ -21,7 +20,7 @@ def _stamp(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(t))
 
 
-def _header(trace: Any, regions: list[str], speedup: float, start_wall: float, end_wall: float) -> Group:
+def _header(trace: Any, speedup: float, start_wall: float, end_wall: float) -> Group:
     now = time.time()
     clock = trace.start + (now - start_wall) * speedup
     done = min(1.0, max(0.0, (now - start_wall) / (end_wall - start_wall)))
@@ -40,7 +39,6 @@ def watch_demo(
     swarm: str,
     procs: dict[str, subprocess.Popen],
     trace: Any,
-    regions: list[str],
     speedup: float,
     start_wall: float,
     end_wall: float,
@@ -49,12 +47,7 @@ def watch_demo(
     """Show the swarm until every site process has exited (they stop at the end of the replay)."""
     sites = [p for name, p in procs.items() if name != "bootstrap"]
     deadline = end_wall + 120
-    dht = start_dht(
-        peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        client_mode=True,
-        record_validators=record_validators(swarm),
-    )
+    dht = open_reader(peers, swarm, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     console = wide_console()
     last: dict[str, ProgressRecord] = {}
     last_print = 0.0
@@ -66,7 +59,7 @@ def watch_demo(
         except Exception:  # a poll can fail while sites come and go; keep the last view
             pass
         return Group(
-            _header(trace, regions, speedup, start_wall, end_wall),
+            _header(trace, speedup, start_wall, end_wall),
             progress_table(sorted(last.values(), key=lambda r: r.site)),
         )
 

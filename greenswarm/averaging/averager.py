@@ -144,17 +144,13 @@ class SwarmAverager(DecentralizedAverager):
             )
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
-        gathered = {str(peer): data for peer, data in result.items()}
-        outcome = RoundOutcome(
-            True,
-            members=sorted(gathered),
-            gathered=gathered,
-            averaged=averaged,
-            seconds=time.monotonic() - started,
-        )
+        seconds = time.monotonic() - started
         if not torch.isfinite(averaged).all():
-            return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=outcome.seconds)
-        return outcome
+            return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=seconds)
+        gathered = {str(peer): data for peer, data in result.items()}
+        return RoundOutcome(
+            True, members=sorted(gathered), gathered=gathered, averaged=averaged, seconds=seconds
+        )
 
     async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
         """Runs in the averager process: set this round's group key and expected group size."""

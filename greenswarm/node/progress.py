@@ -127,6 +127,18 @@ class ProgressPublisher:
                 pass
 
 
+def open_reader(initial_peers: list[str], swarm: str, host_maddrs: list[str] | None = None) -> DHT:
+    """A client-mode DHT that can read swarm ``swarm``'s records (with the validators hivemind needs)."""
+    from greenswarm.network import start_dht
+
+    return start_dht(
+        initial_peers,
+        host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
+        client_mode=True,
+        record_validators=record_validators(swarm),
+    )
+
+
 def fetch_records(dht: DHT, swarm: str) -> list[ProgressRecord]:
     """All live, valid progress records of swarm ``swarm``, sorted by site name."""
     result = dht.get(progress_key(swarm), latest=True)

@@ -54,8 +54,8 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
     return table
 
 
-def records_json(records: Sequence[ProgressRecord]) -> str:
-    return json.dumps([r.to_wire() for r in records], indent=2)
+def records_json(records: Sequence[ProgressRecord], indent: int | None = 2) -> str:
+    return json.dumps([r.to_wire() for r in records], indent=indent)
 
 
 def wide_console() -> Console:
@@ -68,15 +68,9 @@ def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: fl
     """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them."""
     from rich.live import Live
 
-    from greenswarm.network import start_dht
-    from greenswarm.node.progress import fetch_records, record_validators
+    from greenswarm.node.progress import fetch_records, open_reader
 
-    dht = start_dht(
-        initial_peers,
-        host_maddrs=["/ip4/0.0.0.0/tcp/0"],
-        client_mode=True,
-        record_validators=record_validators(swarm),
-    )
+    dht = open_reader(initial_peers, swarm)
     console = wide_console()
     try:
         if watch is None:
@@ -95,7 +89,7 @@ def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: fl
             return 0
         if as_json:
             while True:
-                print(json.dumps([r.to_wire() for r in fetch_records(dht, swarm)]), flush=True)
+                print(records_json(fetch_records(dht, swarm), indent=None), flush=True)
                 time.sleep(watch)
         if not console.is_terminal:  # a pipe or a file: one table per refresh, no cursor tricks
             while True:
