@@ -43,7 +43,9 @@ def _check(report: dict, regions: list[str]) -> None:
         assert site["tokens"] > 0 and site["loss"] < 5.0, site
         assert site["energy_kwh"] > 0 and site["emissions_g"] > 0, site
     assert report["total"]["federated_rounds"] >= 2, report["total"]
-    assert report["total"]["emissions_g"] == pytest.approx(sum(s["emissions_g"] for s in report["sites"]))
+    # training only in windows emits less than the same site training around the clock
+    for site in report["sites"]:
+        assert site["emissions_g"] < report["baseline_continuous_g"][site["region"]], site
 
 
 def test_demo_on_the_builtin_trace(tmp_path: Path) -> None:
