@@ -167,6 +167,16 @@ def _parser() -> argparse.ArgumentParser:
     win.add_argument(
         "--min-window-s", type=float, default=0.0, metavar="S", help="drop windows shorter than S seconds"
     )
+    win.add_argument(
+        "--interpolate",
+        choices=("hold", "linear"),
+        default="hold",
+        help="read intensity between samples as steps (hold, default: what a live site sees) or linearly "
+        "onto a --grid grid (linear: the curtail-llm anchor's convention)",
+    )
+    win.add_argument(
+        "--grid", type=float, default=60.0, metavar="SECONDS", help="grid step for --interpolate linear (60)"
+    )
     win.add_argument("--plot", metavar="PNG", help="also write a plot of intensity and windows to PNG")
     win.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
@@ -243,5 +253,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             min_window_s=args.min_window_s,
             plot=args.plot,
             as_json=args.json,
+            interpolate=args.interpolate,
+            grid_s=args.grid,
         )
     raise AssertionError(args.command)

@@ -254,3 +254,89 @@ def test_every_shipped_example_loads(path: Path) -> None:
     """Every example a user may copy must load without error with the current dataclasses."""
     cfg = load_site_config(path)
     assert cfg.name and cfg.region
+
+
+# --- the scheduler's trace-reading options and the energy source -------------------------------------
+
+
+def test_scheduler_trace_options_reach_the_reader(tmp_path: Path) -> None:
+    """What a site config says about its trace file is what load_trace gets (site.py passes these)."""
+    from greenswarm.traces import load_trace
+
+    trace_path = tmp_path / "moer.csv"
+    trace_path.write_text("time,R\n0,1000\n300,2000\n")
+    path = write(
+        tmp_path,
+        f"name: s\nregion: R\nscheduler:\n  trace: {trace_path}\n  units: lbs/MWh\n"
+        "  start: 2026-01-11T17:00:00Z\n  interpolate: linear\n  grid_s: 150\n  max_gap_s: 600\n",
+    )
+    cfg = load_site_config(path)
+    options = cfg.scheduler.trace_options()
+    assert options == {
+        "tz": None,
+        "units": "lbs/MWh",
+        "variant": "direct",
+        "start": "2026-01-11T17:00:00Z",
+        "max_gap_s": 600.0,
+        "interpolate": "linear",
+        "grid_s": 150.0,
+    }
+    trace = load_trace(cfg.scheduler.trace, **options)
+    assert trace.start == 1768150800.0  # offsets counted from scheduler.start
+    assert trace.series("R").tolist() == pytest.approx([453.592, 680.388, 907.184, 907.184])
+
+
+def test_scheduler_trace_option_defaults(tmp_path: Path) -> None:
+    scheduler = load_site_config(write(tmp_path, "name: s\nregion: DE\n")).scheduler
+    assert (scheduler.units, scheduler.variant, scheduler.start) == ("g/kWh", "direct", None)
+    assert (scheduler.interpolate, scheduler.grid_s, scheduler.max_gap_s) == ("hold", 60.0, None)
+
+
+@pytest.mark.parametrize(
+    ("snippet", "field", "expected"),
+    [
+        ("units: tons", "scheduler.units", "must be one of g/kWh, kg/kWh, lbs/MWh, got 'tons'"),
+        ("variant: scope3", "scheduler.variant", "must be one of direct, lca, got 'scope3'"),
+        ("interpolate: cubic", "scheduler.interpolate", "must be one of hold, linear, got 'cubic'"),
+        ("grid_s: 0", "scheduler.grid_s", "must be > 0"),
+        ("grid_s: .inf", "scheduler.grid_s", "must be a number"),
+        ("max_gap_s: -5", "scheduler.max_gap_s", "must be > 0"),
+        ("start: soon", "scheduler.start", "cannot parse 'soon' as unix seconds or an ISO 8601 time"),
+        ("start: .nan", "scheduler.start", "must be finite seconds or an ISO 8601 instant"),
+        (
+            "start: '2026-01-11T17:00:00'",
+            "scheduler.start",
+            "has no UTC offset; add Z or +HH:MM, or set timezone",
+        ),
+    ],
+)
+def test_scheduler_trace_option_errors(tmp_path: Path, snippet: str, field: str, expected: str) -> None:
+    path = write(tmp_path, f"name: s\nregion: DE\nscheduler:\n  threshold: 90\n  {snippet}\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}:5: {field}: "), message
+    assert expected in message
+
+
+def test_scheduler_trace_options_accept_their_spellings(tmp_path: Path) -> None:
+    """Units and variants match case-insensitively, as the reader does; a naive start is fine with a
+    timezone (the reader resolves it there); plain seconds are fine (``start: 0`` is unix time)."""
+    text = (
+        "name: s\nregion: DE\nscheduler:\n  units: KG/kwh\n  variant: LCA\n  interpolate: Linear\n"
+        "  timezone: Europe/Berlin\n  start: '2026-01-11T17:00:00'\n"
+    )
+    cfg = load_site_config(write(tmp_path, text))
+    assert cfg.scheduler.units == "KG/kwh"
+    assert load_site_config(None, ["name=s", "region=DE", "scheduler.start=0"]).scheduler.start == "0"
+
+
+def test_energy_source_and_overhead(tmp_path: Path) -> None:
+    cfg = load_site_config(write(tmp_path, "name: s\nregion: DE\n"))
+    assert (cfg.energy.source, cfg.energy.nvml_overhead) == ("auto", 1.0)
+    cfg = load_site_config(
+        write(tmp_path, "name: s\nregion: DE\nenergy:\n  source: nvml\n  nvml_overhead: 1.25\n")
+    )
+    assert (cfg.energy.source, cfg.energy.nvml_overhead) == ("nvml", 1.25)
+    path = write(tmp_path, "name: s\nregion: DE\nenergy:\n  source: gpu\n")
+    assert f"{path}:4: energy.source: must be one of auto, config, nvml, got 'gpu'" in error_of(path)
+    path = write(tmp_path, "name: s\nregion: DE\nenergy:\n  train_kw: 2\n  nvml_overhead: 0.2\n")
+    assert f"{path}:5: energy.nvml_overhead: must be >= 1, got 0.2" in error_of(path)

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from greenswarm.scheduler import EnergyLedger, PowerModel, SiteState, baseline_emissions_g
+from greenswarm.errors import ConfigError, GreenswarmError
+from greenswarm.scheduler import EnergyConfig, EnergyLedger, PowerModel, SiteState, baseline_emissions_g
+from greenswarm.scheduler.energy import NvmlUnavailable, make_power_model, visible_gpu_indices
 from greenswarm.traces import Trace, read_csv_trace
 from tests._shared import shared_path
 
@@ -110,3 +112,89 @@ def test_anchor_baseline_matches_sample_sum():
     assert baseline_emissions_g(trace, "CAISO_NORTH", trace.start, trace.end, 2.024) / 1000 == pytest.approx(
         11.67, abs=0.01
     )
+
+
+# --- where the power comes from ----------------------------------------------------------------------
+
+
+def _has_nvml_gpu() -> bool:
+    """Whether this machine can measure a GPU through NVML (then "auto" measures, not configures)."""
+    from greenswarm.scheduler.energy import NvmlPower
+
+    try:
+        NvmlPower()
+    except NvmlUnavailable:
+        return False
+    return True
+
+
+def test_config_source_is_the_configured_model():
+    power = make_power_model(EnergyConfig(train_kw=2.5, idle_kw=0.25, source="config"))
+    assert power == PowerModel(2.5, 0.25)
+    assert power.kw(SiteState.SOLO) == 2.5 and power.kw(SiteState.IDLE) == 0.25
+
+
+def test_auto_source_without_a_gpu_is_the_configured_model():
+    if _has_nvml_gpu():
+        pytest.skip("this machine has an NVML GPU, so auto measures it")
+    power = make_power_model(EnergyConfig(train_kw=2.024, source="auto"))
+    assert power.meter is None
+    assert power.kw(SiteState.FEDERATED) == 2.024
+
+
+def test_auto_source_for_a_cpu_site_never_measures():
+    """A site training on the CPU of a GPU machine must not book the draw of GPUs it does not use."""
+    assert make_power_model(EnergyConfig(train_kw=1.5), on_gpu=False).meter is None
+
+
+def test_nvml_source_without_nvml_is_a_one_line_error():
+    if _has_nvml_gpu():
+        pytest.skip("this machine has an NVML GPU")
+    with pytest.raises(ConfigError) as info:
+        make_power_model(EnergyConfig(source="nvml"))
+    message = str(info.value)
+    assert isinstance(info.value, GreenswarmError)
+    assert message.startswith("energy.source: ")
+    assert "\n" not in message
+    assert "nvidia-ml-py" in message or "NVML" in message
+    assert "set energy.source to config" in message
+
+
+def test_make_power_model_validates_the_config():
+    with pytest.raises(ConfigError, match=r"energy\.source: must be one of auto, config, nvml, got 'gpu'"):
+        make_power_model(EnergyConfig(source="gpu"))
+
+
+def test_a_meter_sets_the_training_draw_and_not_the_idle_one():
+    readings = iter([3.0, 1.0])
+    power = PowerModel(train_kw=2.0, idle_kw=0.5, meter=lambda: next(readings))
+    ledger = EnergyLedger(HOURLY, "R", power, start=0.0)
+    ledger.advance(3600.0, SiteState.SOLO)  # 3 kW x 1 h at 50 g/kWh
+    ledger.advance(5400.0, SiteState.IDLE)  # idle: 0.5 kW, the meter is not read
+    ledger.advance(7200.0, SiteState.FEDERATED)  # 1 kW x 0.5 h at 200 g/kWh
+    assert ledger.energy_kwh == pytest.approx(3.0 + 0.25 + 0.5)
+    assert ledger.emissions_g == pytest.approx(150.0 + 0.5 * 0.5 * 200.0 + 0.5 * 200.0)
+    configured = EnergyLedger(HOURLY, "R", PowerModel(train_kw=2.0, idle_kw=0.5), start=0.0)
+    configured.advance(3600.0, SiteState.SOLO)
+    assert configured.energy_kwh == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("env", "count", "expected"),
+    [
+        (None, 3, [0, 1, 2]),
+        ("", 3, []),
+        ("-1", 3, []),
+        ("2,0", 3, [2, 0]),
+        (" 1 , 1 ", 3, [1]),
+        ("0,7,1", 3, [0]),  # CUDA stops at the first index out of range
+        ("0", 0, []),
+    ],
+)
+def test_visible_gpu_indices_follow_cuda_visible_devices(env, count, expected):
+    assert visible_gpu_indices(env, count) == expected
+
+
+def test_visible_gpu_indices_refuses_uuids():
+    with pytest.raises(NvmlUnavailable, match="'GPU-1234' is not a GPU index"):
+        visible_gpu_indices("GPU-1234", 2)

@@ -223,6 +223,61 @@ def test_unknown_timezone(tmp_path):
         read_csv_trace(path, tz="Mars/Olympus")
 
 
+# --- resampling -----------------------------------------------------------------------------------
+
+
+def test_resampled_linear_interpolates_and_holds_the_last_sample():
+    grid = small_trace().resampled(30.0)
+    assert grid.times.tolist() == [0.0, 30.0, 60.0, 90.0, 120.0, 150.0]
+    assert grid.series("A").tolist() == [10.0, 15.0, 20.0, 25.0, 30.0, 30.0]
+    assert grid.resolution_s == 30.0
+    assert grid.end == 180.0
+    assert grid.source == "hand-made (linear, 30 s grid)"
+    # Still hold-last between grid points: the integral is the sum of grid values x step.
+    assert grid.integral("A", 0.0, 180.0) == pytest.approx(30.0 * (10 + 15 + 20 + 25 + 30 + 30))
+    assert grid.intensity("A", 44.0) == 15.0
+
+
+def test_resampled_hold_keeps_the_step_function():
+    trace = small_trace()
+    grid = trace.resampled(30.0, "hold")
+    assert grid.series("A").tolist() == [10.0, 10.0, 20.0, 20.0, 30.0, 30.0]
+    assert grid.integral("A", 0.0, 180.0) == trace.integral("A", 0.0, 180.0)
+    assert "hold" in grid.source
+
+
+def test_resampled_grid_covers_the_span_without_an_extra_point():
+    trace = small_trace()
+    assert len(trace.resampled(60.0).times) == 3  # 180 s / 60 s exactly: no fourth point at the end
+    uneven = trace.resampled(50.0, "hold")
+    assert uneven.times.tolist() == [0.0, 50.0, 100.0, 150.0]  # < end (180); the new end is 200
+    assert uneven.end == 200.0
+    many = Trace(np.arange(217) * 300.0, {"A": np.ones(217)}, 300.0, "x")
+    assert len(many.resampled(60.0).times) == 217 * 5
+
+
+def test_resampled_keeps_regions_and_a_single_sample():
+    two = Trace(
+        np.array([0.0, 100.0]), {"B": np.array([0.0, 100.0]), "A": np.array([4.0, 4.0])}, 100.0, "two"
+    )
+    grid = two.resampled(25.0)
+    assert grid.regions == ["B", "A"]
+    assert grid.series("B").tolist() == [0.0, 25.0, 50.0, 75.0, 100.0, 100.0, 100.0, 100.0]
+    one = Trace(np.array([0.0]), {"A": np.array([7.0])}, 3600.0, "one").resampled(900.0)
+    assert one.series("A").tolist() == [7.0] * 4
+
+
+@pytest.mark.parametrize("step", [0, -60.0, float("nan"), float("inf"), "soon"])
+def test_resampled_rejects_bad_steps(step):
+    with pytest.raises(TraceError, match=r"hand-made: resampling step must be a .*number of seconds"):
+        small_trace().resampled(step)
+
+
+def test_resampled_rejects_unknown_method():
+    with pytest.raises(TraceError, match="unknown resampling method 'cubic'; choices: hold, linear"):
+        small_trace().resampled(30.0, "cubic")
+
+
 # --- load_trace -----------------------------------------------------------------------------------
 
 
@@ -233,6 +288,32 @@ def test_load_trace_dispatch(tmp_path):
         load_trace("builtin:nope")
     path = write(tmp_path, "t,A\n2026-01-11 17:00:00,1\n")
     assert load_trace(str(path), tz="UTC").start == T0
+
+
+def test_load_trace_interpolation(tmp_path):
+    path = write(tmp_path, "t,A\n2026-01-11T17:00:00Z,10\n2026-01-11T17:05:00Z,40\n")
+    held = load_trace(str(path))
+    assert held.times.tolist() == [T0, T0 + 300]  # the default: the file as published
+    assert load_trace(str(path), interpolate="hold", grid_s=1.0).series("A").tolist() == [10.0, 40.0]
+    linear = load_trace(str(path), interpolate="linear", grid_s=100.0)
+    assert linear.series("A").tolist() == [10.0, 20.0, 30.0, 40.0, 40.0, 40.0]
+    assert linear.resolution_s == 100.0 and linear.end == held.end
+    assert len(load_trace(str(path), interpolate="Linear").times) == 10  # 60 s grid by default
+    builtin = load_trace("builtin", interpolate="linear")
+    assert builtin.resolution_s == 60.0 and builtin.regions == load_trace("builtin").regions
+
+
+def test_load_trace_interpolation_errors(tmp_path):
+    path = write(tmp_path, "t,A\n2026-01-11T17:00:00Z,10\n")
+    with pytest.raises(TraceError, match=r"trace\.csv: unknown interpolation 'cubic'; choices: hold, linear"):
+        load_trace(str(path), interpolate="cubic")
+    with pytest.raises(TraceError, match="grid_s must be a finite number of seconds > 0, got 0"):
+        load_trace(str(path), interpolate="linear", grid_s=0)
+    with pytest.raises(TraceError, match="builtin: unknown interpolation 'spline'"):
+        load_trace("builtin", interpolate="spline")
+    # Options are checked before the file is read, so a bad one wins over a missing file.
+    with pytest.raises(TraceError, match="grid_s"):
+        load_trace(str(tmp_path / "nope.csv"), grid_s=float("nan"))
 
 
 # --- builtin model --------------------------------------------------------------------------------
@@ -282,3 +363,17 @@ def test_read_anchor_trace():
     assert trace.start == T0
     assert trace.end == T0 + 217 * 300
     assert trace.series("CAISO_NORTH")[0] == pytest.approx(463.571024)
+
+
+@pytest.mark.shared
+def test_anchor_baseline_is_the_same_with_both_interpolations():
+    """The anchor integrated intensity interpolated linearly onto a 60 s grid; greenswarm holds the
+    published 5-minute steps. Over the anchor's 17.78 h both give its 11.40 kg for CAISO_NORTH."""
+    path = str(shared_path("traces/curtail-llm/mci.csv"))
+    for interpolate in ("hold", "linear"):
+        trace = load_trace(path, interpolate=interpolate)
+        grams = 2.024 / 3600 * trace.integral("CAISO_NORTH", trace.start, trace.start + 17.78 * 3600)
+        assert grams / 1000 == pytest.approx(11.40, abs=0.005), interpolate
+    linear = load_trace(path, interpolate="linear")
+    assert len(linear.times) == 217 * 5 and linear.resolution_s == 60.0
+    assert linear.series("CAISO_NORTH")[1] == pytest.approx(463.571024 + (68.945984 - 463.571024) / 5)

@@ -218,6 +218,40 @@ def test_cli_threshold_and_percentile_are_exclusive(wide_csv):
     assert "not allowed with argument" in result.stderr
 
 
+def test_cli_linear_interpolation(wide_csv):
+    """Read linearly onto a 30 min grid, A's hourly 150, 50, 60, 200, 90, 300 dips below 100 later and
+    leaves earlier than the published steps do (compare test_cli_json)."""
+    result = _run(
+        "--trace", str(wide_csv), "--region", "A", "--interpolate", "linear", "--grid", "1800", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["trace"] == f"{wide_csv} (linear, 1800 s grid)"
+    assert report["windows"] == [
+        {"start": "2026-01-01T01:00:00Z", "end": "2026-01-01T02:30:00Z", "hours": 1.5},
+        {"start": "2026-01-01T04:00:00Z", "end": "2026-01-01T04:30:00Z", "hours": 0.5},
+    ]
+    assert report["mean_intensity_in_window"] == pytest.approx((50 + 55 + 60 + 90) / 4)
+
+
+def test_run_windows_interpolation_options(wide_csv, capsys):
+    assert run_windows(str(wide_csv), "A", interpolate="hold", grid_s=1.0, as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["trace"] == str(wide_csv)
+    with pytest.raises(TraceError, match="unknown interpolation 'cubic'; choices: hold, linear"):
+        run_windows(str(wide_csv), "A", interpolate="cubic")
+
+
+def test_cli_interpolation_errors(wide_csv):
+    result = _run("--trace", str(wide_csv), "--region", "A", "--interpolate", "linear", "--grid", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"greenswarm windows: error: {wide_csv}: grid_s must be a finite number of seconds > 0, got 0.0"
+    ]
+    result = _run("--trace", str(wide_csv), "--region", "A", "--interpolate", "cubic")
+    assert result.returncode == 2
+    assert "invalid choice: 'cubic'" in result.stderr
+
+
 # --- real traces ----------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_v
 from greenswarm.node.swarm_view import SwarmView, state_key
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import make_clock
-from greenswarm.scheduler.energy import EnergyLedger, PowerModel
+from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
 from greenswarm.traces import load_trace
@@ -56,7 +56,7 @@ class SiteNode:
         self.started = time.monotonic()
 
         # windows, clock, energy: every rank knows them; only rank 0 acts on them
-        trace = load_trace(cfg.scheduler.trace, tz=cfg.scheduler.timezone)
+        trace = load_trace(cfg.scheduler.trace, **cfg.scheduler.trace_options())
         if cfg.region not in trace.regions:
             raise ConfigError(
                 f"{cfg.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
@@ -68,7 +68,10 @@ class SiteNode:
         )
         self.clock = make_clock(cfg.scheduler.clock, trace.start)
         self.ledger = EnergyLedger(
-            trace, cfg.region, PowerModel(cfg.energy.train_kw, cfg.energy.idle_kw), start=self.clock.now()
+            trace,
+            cfg.region,
+            make_power_model(cfg.energy, on_gpu=self.world.device.type == "cuda"),
+            start=self.clock.now(),
         )
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world)
 

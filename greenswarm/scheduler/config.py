@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.clock import parse_instant
 from greenswarm.traces.builtin import BUILTIN_TRACES
+from greenswarm.traces.readers import INTERPOLATIONS, UNITS, VARIANTS
 
 CLOCK_KINDS = ("wall", "replay")
+#: Where a site's power draw comes from (see :class:`EnergyConfig`).
+POWER_SOURCES = ("auto", "config", "nvml")
 
 
 def _number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
@@ -24,6 +29,35 @@ def _number(value: object, name: str, *, minimum: float, inclusive: bool) -> Non
         raise ConfigError(f"must be a number, got {value!r}", field=name)
     if value < minimum or (not inclusive and value == minimum):
         raise ConfigError(f"must be {'>=' if inclusive else '>'} {minimum:g}, got {value!r}", field=name)
+
+
+def _choice(value: object, choices: tuple[str, ...] | list[str], name: str) -> None:
+    """Check that ``value`` is one of ``choices``, ignoring case as the trace readers do."""
+    if not isinstance(value, str) or value.strip().lower() not in {c.lower() for c in choices}:
+        raise ConfigError(f"must be one of {', '.join(choices)}, got {value!r}", field=name)
+
+
+def _offset_origin(start: object, timezone: str | None) -> None:
+    """Check the ``start`` of offset-seconds traces: unix seconds or an ISO 8601 instant; a naive
+    instant only with a ``timezone`` (the reader resolves it there, as it does naive cells)."""
+    text = str(start).strip()
+    try:
+        seconds: float | None = float(text)
+    except ValueError:
+        seconds = None
+    if seconds is not None:
+        if not math.isfinite(seconds):
+            raise ConfigError(f"must be finite seconds or an ISO 8601 instant, got {start!r}", field="start")
+        return
+    try:
+        stamp = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(
+            f"cannot parse {start!r} as unix seconds or an ISO 8601 time such as 2026-01-11T17:00:00Z",
+            field="start",
+        ) from None
+    if stamp.tzinfo is None and timezone is None:
+        raise ConfigError(f"{start!r} has no UTC offset; add Z or +HH:MM, or set timezone", field="start")
 
 
 @dataclass
@@ -61,6 +95,14 @@ class SchedulerConfig:
     timestamps in the file. A site is in a window while intensity < ``threshold`` gCO2/kWh (100:
     the anchor's); windows shorter than ``min_window_s`` are skipped; while idle the site rechecks
     every ``poll_s`` seconds of clock time.
+
+    The trace reader's options: ``units`` of the file's values (g/kWh, kg/kWh, lbs/MWh), ``variant``
+    of an Electricity Maps export (direct or lca), ``start`` (unix seconds or ISO instant) that
+    plain-number time cells count from in offset-seconds traces (Vessim-style; not the replay start,
+    which is ``clock.start``), ``max_gap_s`` the longest hole allowed between samples (default a few
+    median steps), and ``interpolate``: ``hold`` keeps the published step function, as a live
+    controller sees it; ``linear`` interpolates onto a ``grid_s`` grid, the curtail-llm anchor's
+    convention, for replays that should match its accounting.
     """
 
     trace: str = "builtin"
@@ -68,6 +110,12 @@ class SchedulerConfig:
     threshold: float = 100.0
     min_window_s: float = 0.0
     poll_s: float = 10.0
+    units: str = "g/kWh"
+    variant: str = "direct"
+    start: str | None = None
+    interpolate: str = "hold"
+    grid_s: float = 60.0
+    max_gap_s: float | None = None
     clock: ClockConfig = field(default_factory=ClockConfig)
 
     def validate(self) -> None:
@@ -89,6 +137,7 @@ class SchedulerConfig:
         _number(self.threshold, "threshold", minimum=0.0, inclusive=False)
         _number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
         _number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
+        self._validate_reading()
         if not isinstance(self.clock, ClockConfig):
             raise ConfigError("must be a mapping of clock settings", field="clock")
         try:
@@ -96,15 +145,56 @@ class SchedulerConfig:
         except ConfigError as err:
             raise err.located("clock") from None
 
+    def _validate_reading(self) -> None:
+        """The options passed to the trace reader, checked here so a typo stops the site at start-up
+        with the config's file and line instead of inside the reader."""
+        _choice(self.units, list(UNITS), "units")
+        _choice(self.variant, list(VARIANTS), "variant")
+        _choice(self.interpolate, INTERPOLATIONS, "interpolate")
+        _number(self.grid_s, "grid_s", minimum=0.0, inclusive=False)
+        if self.max_gap_s is not None:
+            _number(self.max_gap_s, "max_gap_s", minimum=0.0, inclusive=False)
+        if self.start is not None:
+            _offset_origin(self.start, self.timezone)
+
+    def trace_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`~greenswarm.traces.load_trace`, so every caller that loads a
+        site's trace reads it the same way."""
+        return {
+            "tz": self.timezone,
+            "units": self.units,
+            "variant": self.variant,
+            "start": self.start,
+            "max_gap_s": self.max_gap_s,
+            "interpolate": self.interpolate,
+            "grid_s": self.grid_s,
+        }
+
 
 @dataclass
 class EnergyConfig:
     """The site's power model. 2.024 kW while training is the anchor's (curtail-llm) figure; idle
-    draw is 0 because greenswarm releases GPUs outside windows instead of keeping them provisioned."""
+    draw is 0 because greenswarm releases GPUs outside windows instead of keeping them provisioned.
+
+    ``source`` says where the training draw comes from: ``config`` always uses ``train_kw``;
+    ``nvml`` measures the GPUs this process sees through NVML (and refuses to start without it);
+    ``auto`` measures when NVML and a GPU are there and uses ``train_kw`` otherwise, so one config
+    serves a GPU site and a CPU replay alike. A measured draw covers the GPUs only, so it is
+    multiplied by ``nvml_overhead`` (>= 1) for the rest of the machine: CPUs, fans, PSU losses.
+    The idle draw is always ``idle_kw``: outside windows the GPUs are released, not measured.
+    """
 
     train_kw: float = 2.024
     idle_kw: float = 0.0
+    source: str = "auto"
+    nvml_overhead: float = 1.0
 
     def validate(self) -> None:
         _number(self.train_kw, "train_kw", minimum=0.0, inclusive=True)
         _number(self.idle_kw, "idle_kw", minimum=0.0, inclusive=True)
+        if self.source not in POWER_SOURCES:
+            raise ConfigError(
+                f"must be one of {', '.join(POWER_SOURCES)}, got {self.source!r}", field="source"
+            )
+        # Below 1 would book less than the GPUs alone draw: almost surely "0.2" meant "+20 %".
+        _number(self.nvml_overhead, "nvml_overhead", minimum=1.0, inclusive=True)

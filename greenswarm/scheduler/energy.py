@@ -7,23 +7,168 @@ poll interval and of replay speed, so a replayed run reproduces the anchor's acc
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.scheduler.state import SiteState
 from greenswarm.traces.trace import Trace
+
+if TYPE_CHECKING:
+    from greenswarm.scheduler.config import EnergyConfig
+
+log = logging.getLogger("greenswarm.energy")
+
+#: A power meter: called with no arguments, returns the present draw in kW.
+Meter = Callable[[], float]
 
 
 @dataclass
 class PowerModel:
     """A site's electrical draw (kW) per state. Training draws ``train_kw`` whether alone or federated;
-    ``idle_kw`` is what an idle site keeps drawing (0 when GPUs are released, as greenswarm does)."""
+    ``idle_kw`` is what an idle site keeps drawing (0 when GPUs are released, as greenswarm does).
+
+    With a ``meter`` (such as :class:`NvmlPower`) a training state draws what the meter reads at
+    that moment instead of ``train_kw``, so a site books what its hardware really used. Idle stays
+    ``idle_kw``: outside windows the GPUs are released, and there is nothing of ours to measure.
+    """
 
     train_kw: float
     idle_kw: float = 0.0
+    meter: Meter | None = None
 
     def kw(self, state: SiteState) -> float:
-        return self.idle_kw if state == SiteState.IDLE else self.train_kw
+        if state == SiteState.IDLE:
+            return self.idle_kw
+        return self.train_kw if self.meter is None else float(self.meter())
+
+
+class NvmlUnavailable(GreenswarmError):
+    """NVML cannot measure this process's GPUs: no pynvml, no driver, or no GPU visible."""
+
+
+def visible_gpu_indices(cuda_visible_devices: str | None, count: int) -> list[int]:
+    """Indices of the GPUs this process may use, out of ``count``, as CUDA reads the variable.
+
+    Unset means all of them. Otherwise the comma-separated indices in order, stopping at the first
+    one out of range (CUDA's own rule, which is why ``-1`` or an empty value hides every GPU).
+    Indices are NVML's (PCI bus order), which matches CUDA's with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+    GPU or MIG UUIDs are refused rather than guessed at.
+    """
+    if cuda_visible_devices is None:
+        return list(range(count))
+    indices: list[int] = []
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        try:
+            index = int(entry)
+        except ValueError:
+            if not entry:
+                break
+            raise NvmlUnavailable(
+                f"CUDA_VISIBLE_DEVICES entry {entry!r} is not a GPU index; NVML power reads GPUs by index"
+            ) from None
+        if not 0 <= index < count:
+            break
+        if index not in indices:
+            indices.append(index)
+    return indices
+
+
+def _import_pynvml() -> Any:
+    """The optional pynvml module (PyPI: nvidia-ml-py), imported only when power is measured, so a
+    CPU-only install never needs it."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        raise NvmlUnavailable(
+            "measuring GPU power needs the pynvml module: pip install nvidia-ml-py"
+        ) from None
+    return pynvml
+
+
+class NvmlPower:
+    """The present draw (kW) of the GPUs visible to this process, read through NVML, times
+    ``overhead`` (>= 1) for the rest of the machine (CPUs, fans, PSU losses) that NVML cannot see.
+
+    Construction reads the power once, so a missing driver or GPU fails at start-up, not in the
+    middle of a run. Later a failed read (a GPU briefly unresponsive) logs a warning and returns
+    the last good reading: a glitch in accounting must not stop training.
+    """
+
+    def __init__(self, overhead: float = 1.0, cuda_visible_devices: str | None = None):
+        self.pynvml = _import_pynvml()
+        self.overhead = float(overhead)
+        try:
+            self.pynvml.nvmlInit()
+            count = int(self.pynvml.nvmlDeviceGetCount())
+        except self.pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"NVML cannot start ({err}); is an NVIDIA driver installed?") from None
+        visible = (
+            os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
+        )
+        self.indices = visible_gpu_indices(visible, count)
+        if not self.indices:
+            raise NvmlUnavailable(
+                f"NVML sees no GPU for this process ({count} on the machine; "
+                f"CUDA_VISIBLE_DEVICES={visible!r})"
+            )
+        try:
+            self.handles = [self.pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+            self.last_kw = self._read()
+        except self.pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"NVML cannot read GPU power ({err})") from None
+        self._warned = False
+
+    def _read(self) -> float:
+        milliwatts = sum(int(self.pynvml.nvmlDeviceGetPowerUsage(h)) for h in self.handles)
+        return self.overhead * milliwatts / 1e6
+
+    def __call__(self) -> float:
+        try:
+            self.last_kw = self._read()
+        except self.pynvml.NVMLError as err:
+            if not self._warned:
+                log.warning(
+                    "NVML power read failed (%s); booking the last reading, %.3f kW", err, self.last_kw
+                )
+                self._warned = True
+        return self.last_kw
+
+
+def make_power_model(cfg: EnergyConfig, *, on_gpu: bool = True) -> PowerModel:
+    """The power model ``cfg`` asks for (see :class:`~greenswarm.scheduler.config.EnergyConfig`).
+
+    ``source: nvml`` without a working NVML is a one-line error naming ``energy.source``. ``auto``
+    falls back to ``train_kw`` quietly, and also when ``on_gpu`` is False: a site training on the CPU
+    of a GPU machine would otherwise book the draw of GPUs it does not use.
+    """
+    try:
+        cfg.validate()
+    except ConfigError as err:
+        raise err.located("energy") from None
+    meter: Meter | None = None
+    if cfg.source == "nvml" or (cfg.source == "auto" and on_gpu):
+        try:
+            meter = NvmlPower(cfg.nvml_overhead)
+        except NvmlUnavailable as err:
+            if cfg.source == "nvml":
+                raise ConfigError(
+                    f"{err} (or set energy.source to config to book train_kw)", field="energy.source"
+                ) from None
+            log.info("energy: not measuring GPU power (%s); booking train_kw %g kW", err, cfg.train_kw)
+    if isinstance(meter, NvmlPower):
+        log.info(
+            "energy: measuring GPUs %s through NVML (x%g overhead), now %.3f kW",
+            meter.indices,
+            meter.overhead,
+            meter.last_kw,
+        )
+    return PowerModel(cfg.train_kw, cfg.idle_kw, meter)
 
 
 class EnergyLedger:

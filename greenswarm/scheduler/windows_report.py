@@ -188,9 +188,13 @@ def run_windows(
     min_window_s: float = 0.0,
     plot: str | None = None,
     as_json: bool = False,
+    interpolate: str = "hold",
+    grid_s: float = 60.0,
 ) -> int:
     """``greenswarm windows``: load the trace, find the windows, print them (table or one JSON
-    object) and optionally plot them. Give ``threshold`` (default 100) or ``percentile``, not both."""
+    object) and optionally plot them. Give ``threshold`` (default 100) or ``percentile``, not both.
+    ``interpolate="linear"`` reads the trace as the curtail-llm anchor did (linear onto a ``grid_s``
+    grid), to compare its windows with the default hold-last reading a live site makes."""
     policy: WindowPolicy
     if threshold is not None and percentile is not None:
         raise ConfigError("give a threshold or a percentile, not both")
@@ -201,7 +205,7 @@ def run_windows(
             policy = ThresholdPolicy(100.0 if threshold is None else threshold, min_window_s)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    loaded = load_trace(trace, tz, units=units, variant=variant)
+    loaded = load_trace(trace, tz, units=units, variant=variant, interpolate=interpolate, grid_s=grid_s)
     report = windows_report(loaded, region, policy)
     if plot:
         report["plot"] = str(plot_windows(loaded, region, policy, plot))

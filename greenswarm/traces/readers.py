@@ -55,6 +55,9 @@ UNITS: dict[str, float] = {"g/kWh": 1.0, "kg/kWh": 1000.0, "lbs/MWh": 0.453592}
 #: Electricity Maps intensity variants, and the header markers of their columns.
 VARIANTS: dict[str, tuple[str, ...]] = {"direct": ("(direct)",), "lca": ("(lca)", "(life cycle)")}
 
+#: How :func:`load_trace` reads intensity between samples (see its docstring).
+INTERPOLATIONS = ("hold", "linear")
+
 #: Header names (lower case) of a long file's region, value and time columns.
 REGION_COLUMNS = ("region", "ba", "zone", "zone id", "zone_id", "zoneid")
 VALUE_COLUMNS = ("value", "moer", "carbon_intensity", "carbon intensity", "intensity")
@@ -374,6 +377,33 @@ def _reader_for(path: Path) -> TraceReader:
     return read_csv_trace
 
 
+def _check_interpolation(spec: str, interpolate: str, grid_s: float) -> str:
+    """Validate ``interpolate`` (case-insensitively) and ``grid_s`` before any file is read, so a
+    typo in either fails at once rather than after parsing a large export; returns the method."""
+    method = str(interpolate).strip().lower()
+    if method not in INTERPOLATIONS:
+        raise TraceError(
+            f"{spec}: unknown interpolation '{interpolate}'; choices: {', '.join(INTERPOLATIONS)}"
+        )
+    try:
+        grid = float(grid_s)
+    except (TypeError, ValueError):
+        raise TraceError(f"{spec}: grid_s must be a number of seconds, got {grid_s!r}") from None
+    if not (math.isfinite(grid) and grid > 0):
+        raise TraceError(f"{spec}: grid_s must be a finite number of seconds > 0, got {grid_s!r}")
+    return method
+
+
+def _load_builtin(spec: str) -> Trace:
+    """The offline model named by ``builtin`` or ``builtin:<name>``."""
+    _, _, model = spec.partition(":")
+    model = model or DEFAULT_BUILTIN
+    factory = BUILTIN_TRACES.get(model)
+    if factory is None:
+        raise TraceError(f"no builtin trace '{model}'; available: {', '.join(BUILTIN_TRACES)}")
+    return factory()
+
+
 def load_trace(
     spec: str,
     tz: str | None = None,
@@ -382,19 +412,24 @@ def load_trace(
     variant: str = "direct",
     start: str | float | None = None,
     max_gap_s: float | None = None,
+    interpolate: str = "hold",
+    grid_s: float = 60.0,
 ) -> Trace:
     """Load the trace named by a config's ``trace`` field or the CLI's ``--trace``.
 
     ``builtin`` or ``builtin:<name>`` is the offline model (no files needed, so the demo always
     runs); anything else is a path, read with the options of :func:`read_csv_trace` (``tz``
     applies to naive timestamps in files).
+
+    ``interpolate`` says how intensity between samples is read. ``hold`` (the default) keeps the
+    published step function: what a live controller sees, since it only knows the latest value.
+    ``linear`` interpolates onto a ``grid_s`` grid (:meth:`Trace.resampled`), the convention of
+    the curtail-llm anchor (60 s), for replays that should match its accounting.
     """
+    method = _check_interpolation(spec, interpolate, grid_s)
     if spec == "builtin" or spec.startswith("builtin:"):
-        _, _, model = spec.partition(":")
-        model = model or DEFAULT_BUILTIN
-        factory = BUILTIN_TRACES.get(model)
-        if factory is None:
-            raise TraceError(f"no builtin trace '{model}'; available: {', '.join(BUILTIN_TRACES)}")
-        return factory()
-    path = Path(spec).expanduser()
-    return _reader_for(path)(path, tz=tz, units=units, variant=variant, start=start, max_gap_s=max_gap_s)
+        trace = _load_builtin(spec)
+    else:
+        path = Path(spec).expanduser()
+        trace = _reader_for(path)(path, tz=tz, units=units, variant=variant, start=start, max_gap_s=max_gap_s)
+    return trace if method == "hold" else trace.resampled(float(grid_s), method)

@@ -11,6 +11,7 @@ and it makes integrals exact sums, so emissions on a replayed trace match a spre
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +21,28 @@ from greenswarm.errors import TraceError
 #: Spacing assumed for a one-sample trace, which has no spacing to measure.
 SINGLE_SAMPLE_RESOLUTION_S = 3600.0
 
+#: How :meth:`Trace.resampled` reads the original between its samples: ``hold`` the step function
+#: itself (what a live controller sees), ``linear`` straight lines between samples (the convention
+#: of the curtail-llm anchor, which interpolated intensity onto a 60 s grid).
+RESAMPLE_METHODS = ("hold", "linear")
+
 
 def median_resolution(times: np.ndarray) -> float:
     """Sample spacing of ``times``: the median step, so one missing sample does not change it."""
     if len(times) < 2:
         return SINGLE_SAMPLE_RESOLUTION_S
     return float(np.median(np.diff(times)))
+
+
+def _positive_seconds(value: object, what: str) -> float:
+    """``value`` as a finite number of seconds > 0, or a TraceError that starts with ``what``."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TraceError(f"{what} must be a number of seconds, got {value!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise TraceError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +161,34 @@ class Trace:
         if t0 == t1:
             return 0.0
         return self._antiderivative(region, t1) - self._antiderivative(region, t0)
+
+    def resampled(self, step_s: float, method: str = "linear") -> Trace:
+        """This trace on the regular grid ``start, start + step_s, ... < end``, same regions.
+
+        Each grid value is the original read at the grid instant: linearly interpolated between
+        samples (``linear``, the last sample holding to the end) or the step function's value
+        (``hold``). The result is again hold-last between grid points, so integrals stay exact sums
+        and the rest of greenswarm needs no second code path. Its end is rounded up to a whole
+        step, so it may run up to one ``step_s`` past this trace's end (the last value holds there).
+        """
+        if method not in RESAMPLE_METHODS:
+            raise TraceError(
+                f"{self.source}: unknown resampling method '{method}'; choices: {', '.join(RESAMPLE_METHODS)}"
+            )
+        step = _positive_seconds(step_s, f"{self.source}: resampling step")
+        grid = self._grid(step)
+        if method == "linear":
+            values = {region: np.interp(grid, self.times, series) for region, series in self.values.items()}
+        else:
+            at = np.clip(np.searchsorted(self.times, grid, side="right") - 1, 0, len(self.times) - 1)
+            values = {region: series[at] for region, series in self.values.items()}
+        return Trace(grid, values, step, f"{self.source} ({method}, {step:g} s grid)")
+
+    def _grid(self, step_s: float) -> np.ndarray:
+        """Grid instants ``start + k * step_s`` before ``end``; rounding the count to 1e-9 steps keeps
+        a span that is a whole number of steps (18 h / 60 s) from gaining a spurious extra point."""
+        n = max(1, math.ceil(round((self.end - self.start) / step_s, 9)))
+        return self.start + step_s * np.arange(n, dtype=np.float64)
 
     def __repr__(self) -> str:
         return (
