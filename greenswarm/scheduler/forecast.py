@@ -1,0 +1,142 @@
+"""Forecasts of grid intensity: what a site may know about the future at decision time.
+
+Look-ahead window policies and the deadline-aware simulator ask the same question -- "what will the
+intensity of this region be at these future instants, given what is known now?" -- so they share one
+:class:`Forecaster` interface. Three answers ship, from no knowledge to full knowledge:
+
+* :class:`PersistenceForecaster`: the value now holds forever. Uses nothing but the present; the
+  honest floor every forecast must beat.
+* :class:`SeasonalForecaster`: persistence fading into "the same time yesterday" (seasonal naive)
+  with a time constant of a few hours. Grid intensity is strongly diurnal (solar), so yesterday is a
+  good guess for tomorrow's afternoon; uses only the trace up to now.
+* :class:`OracleForecaster`: the trace itself. Not available to a live site; it is the upper bound
+  that says how much a perfect forecast would be worth.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+from greenswarm.traces.trace import Trace
+
+DAY_S = 86400.0
+
+
+def values_at(trace: Trace, region: str, times: np.ndarray) -> np.ndarray:
+    """Hold-last intensity of ``region`` at each of ``times`` (clamped to the trace's ends), vectorised."""
+    idx = np.searchsorted(trace.times, np.asarray(times, dtype=np.float64), side="right") - 1
+    return trace.series(region)[np.clip(idx, 0, len(trace.times) - 1)]
+
+
+class Forecaster(Protocol):
+    """Predicts ``region``'s intensity at ``times`` (all >= ``now``) using what is known at ``now``."""
+
+    name: str
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray: ...
+
+
+class OracleForecaster:
+    """Perfect foresight: the trace's own future values (an upper bound, not a real forecast)."""
+
+    name = "oracle"
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        return values_at(trace, region, times)
+
+
+class PersistenceForecaster:
+    """The intensity now, held for every future instant."""
+
+    name = "persistence"
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        return np.full(np.shape(times), values_at(trace, region, np.array([now]))[0])
+
+
+class SeasonalForecaster:
+    """``w(h) * now + (1 - w(h)) * yesterday(t)`` with ``w(h) = exp(-h / tau_s)`` for horizon ``h``.
+
+    Near the present, persistence is the better guess; hours ahead, the diurnal cycle is. Where the
+    trace has no value 24 h before ``t`` (its first day) or ``t - 24 h`` lies after ``now`` (a
+    horizon over a day, whose "yesterday" is itself unknown), it falls back to persistence, so it
+    never peeks past ``now``.
+    """
+
+    name = "seasonal"
+
+    def __init__(self, tau_s: float = 3 * 3600.0):
+        if not (math.isfinite(tau_s) and tau_s > 0):
+            raise ValueError(f"tau_s must be a finite number > 0, got {tau_s}")
+        self.tau_s = float(tau_s)
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        times = np.asarray(times, dtype=np.float64)
+        current = values_at(trace, region, np.array([now]))[0]
+        past = times - DAY_S
+        known = (past >= trace.start) & (past <= now)
+        yesterday = np.where(known, values_at(trace, region, past), current)
+        weight = np.exp(-np.maximum(times - now, 0.0) / self.tau_s)
+        return weight * current + (1.0 - weight) * yesterday
+
+
+class ClimatologyForecaster:
+    """The future is distributed like the past: the region's values so far, spread over the horizon.
+
+    It says nothing about *when* the clean hours come, only how many there will be -- which is all
+    a deadline-aware price needs (the share of remaining time below a given intensity). Uses only
+    samples at or before ``now``; with a single sample it is persistence.
+    """
+
+    name = "climatology"
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        times = np.asarray(times, dtype=np.float64)
+        past = trace.series(region)[: max(int(np.searchsorted(trace.times, now, side="right")), 1)]
+        if not times.size:
+            return np.zeros(0)
+        return np.quantile(past, np.linspace(0.0, 1.0, times.size))
+
+
+class NoisyForecaster:
+    """A commercial day-ahead forecast, modelled: the true value times log-normal noise whose
+    spread grows with the horizon, ``sigma(h) = sigma_day * sqrt(h / 24 h)``.
+
+    WattTime and Electricity Maps both sell such forecasts; ``sigma_day = 0.3`` (about 30 % error a
+    day ahead) is a deliberately pessimistic stand-in for their published accuracy. Seeded, so a
+    simulation is reproducible; every call draws fresh noise, as a re-issued forecast would.
+    """
+
+    name = "noisy"
+
+    def __init__(self, sigma_day: float = 0.3, seed: int = 0):
+        if not (math.isfinite(sigma_day) and sigma_day >= 0):
+            raise ValueError(f"sigma_day must be a finite number >= 0, got {sigma_day}")
+        self.sigma_day = float(sigma_day)
+        self.rng = np.random.default_rng(seed)
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        times = np.asarray(times, dtype=np.float64)
+        sigma = self.sigma_day * np.sqrt(np.maximum(times - now, 0.0) / DAY_S)
+        noise = np.exp(sigma * self.rng.standard_normal(times.shape) - sigma**2 / 2)
+        return values_at(trace, region, times) * noise
+
+
+FORECASTERS: dict[str, type] = {
+    "climatology": ClimatologyForecaster,
+    "noisy": NoisyForecaster,
+    "oracle": OracleForecaster,
+    "persistence": PersistenceForecaster,
+    "seasonal": SeasonalForecaster,
+}
+
+
+def make_forecaster(name: str) -> Forecaster:
+    """The forecaster called ``name``; a ValueError listing the known ones otherwise."""
+    try:
+        return FORECASTERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown forecaster {name!r}; known: {', '.join(FORECASTERS)}") from None
