@@ -19,8 +19,10 @@ a swarm across sites:
   greenswarm node --config site.yaml --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
   greenswarm progress --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
 
-how much training time would a grid give?
+how much training time would a grid give, and what would a policy emit?
   greenswarm windows --trace mci.csv --region CAISO_NORTH --threshold 100 --plot windows.png
+  greenswarm simulate --trace mci.csv --regions CAISO_NORTH,SPP_TX,NEM_SA --work 17.78 --json
+  greenswarm reproduce --events exp1_events.csv --trace mci.csv
 
 everything on this machine, offline, in a few minutes:
   greenswarm demo
@@ -157,29 +159,122 @@ def _parser() -> argparse.ArgumentParser:
         metavar="P",
         help="train while intensity < the P-th percentile (0-100] of the region's whole trace",
     )
-    win.add_argument("--tz", metavar="TZ", help="IANA timezone of naive timestamps, e.g. Europe/Berlin")
-    win.add_argument(
-        "--units", default="g/kWh", help="units of the file's values: g/kWh (default), kg/kWh, lbs/MWh"
-    )
-    win.add_argument(
-        "--variant", default="direct", help="Electricity Maps column: direct (default) or lca (life cycle)"
-    )
+    _add_trace_options(win)
     win.add_argument(
         "--min-window-s", type=float, default=0.0, metavar="S", help="drop windows shorter than S seconds"
     )
-    win.add_argument(
-        "--interpolate",
-        choices=("hold", "linear"),
-        default="hold",
-        help="read intensity between samples as steps (hold, default: what a live site sees) or linearly "
-        "onto a --grid grid (linear: the curtail-llm anchor's convention)",
-    )
-    win.add_argument(
-        "--grid", type=float, default=60.0, metavar="SECONDS", help="grid step for --interpolate linear (60)"
-    )
     win.add_argument("--plot", metavar="PNG", help="also write a plot of intensity and windows to PNG")
     win.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run sites' window policies against a trace without training: energy, emissions, baselines",
+        description="Simulate one site per region under a policy until the swarm has done --work "
+        "site-hours of training (or the trace ends), and report site-hours, hours with 0/1/2/3+ sites "
+        "training, energy, emissions, the share of energy in window, and ratios against each region's "
+        "single-site continuous baseline, the threshold ideal and perfect foresight, all at equal work. "
+        "Policies: greenswarm (the node's), curtail-llm (the anchor's controller), ideal, deadline "
+        "(cleanest hours before --deadline, planned with --forecast), foresight, or a policy YAML "
+        "file with scheduler/energy/provisioning sections (see examples/policies/).",
+        epilog="example:\n  greenswarm simulate --trace mci.csv --regions CAISO_NORTH,SPP_TX,NEM_SA "
+        "--policy curtail-llm --work 17.78 --compare greenswarm,ideal --plot emissions.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_argument("--trace", required=True, metavar="CSV", help="trace file, or builtin / builtin:<name>")
+    sim.add_argument("--regions", required=True, help="comma-separated regions, one site each")
+    sim.add_argument(
+        "--policy",
+        default="greenswarm",
+        metavar="NAME|YAML",
+        help="greenswarm (default), curtail-llm, ideal, deadline, foresight, or a policy YAML file",
+    )
+    sim.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a policy field, e.g. --set scheduler.dwell_s=300 (repeatable)",
+    )
+    sim.add_argument(
+        "--threshold", type=float, metavar="G", help="window threshold in gCO2/kWh (policy's: 100)"
+    )
+    sim.add_argument(
+        "--work", type=float, metavar="SITE_HOURS", help="stop when the swarm has trained this much"
+    )
+    sim.add_argument("--start", metavar="ISO", help="start here instead of at the trace's start")
+    sim.add_argument("--deadline", type=float, metavar="HOURS", help="deadline policy: finish within HOURS")
+    sim.add_argument(
+        "--forecast",
+        default="noisy",
+        help="deadline policy's forecast: noisy (true trace x log-normal error, 30%% a day ahead; default), "
+        "oracle, seasonal, persistence, climatology",
+    )
+    sim.add_argument("--compare", metavar="POLICIES", help="also simulate these policies (comma-separated)")
+    _add_trace_options(sim)
+    sim.add_argument("--plot", metavar="PNG", help="write cumulative emissions against the yardsticks to PNG")
+    sim.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    rep = sub.add_parser(
+        "reproduce",
+        help="account the curtail-llm anchor's own logged run with greenswarm's ledger",
+        description="Read the anchor's event log (and the per-client loss logs beside it), turn it into "
+        "when each client was powered and when it trained, account energy and emissions on the trace, "
+        "and compare with the paper's published figures.",
+        epilog="example:\n  greenswarm reproduce "
+        "--events ../shared/data/reference/curtail-llm/exp1_events.csv "
+        "--trace ../shared/data/traces/curtail-llm/mci.csv",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rep.add_argument("--events", required=True, metavar="CSV", help="the anchor's exp*_events.csv")
+    rep.add_argument("--trace", required=True, metavar="CSV", help="the trace the run followed (mci.csv)")
+    rep.add_argument(
+        "--regions", metavar="CLIENT=REGION,...", help="clients' regions (default: from the log)"
+    )
+    rep.add_argument(
+        "--offset-s", type=float, default=0.0, metavar="S", help="trace seconds before the log's elapsed 0"
+    )
+    rep.add_argument(
+        "--gap-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a loss-log pause longer than S is not training",
+    )
+    _add_trace_options(rep, interpolate="linear")
+    rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
+
+
+def _add_trace_options(parser: argparse.ArgumentParser, interpolate: str = "hold") -> None:
+    """How to read a trace file; the same flags on every command that reads one."""
+    parser.add_argument("--tz", metavar="TZ", help="IANA timezone of naive timestamps, e.g. Europe/Berlin")
+    parser.add_argument(
+        "--units", default="g/kWh", help="units of the file's values: g/kWh (default), kg/kWh, lbs/MWh"
+    )
+    parser.add_argument(
+        "--variant", default="direct", help="Electricity Maps column: direct (default) or lca (life cycle)"
+    )
+    parser.add_argument(
+        "--interpolate",
+        choices=("hold", "linear"),
+        default=interpolate,
+        help="read intensity between samples as steps (hold: what a live site sees) or linearly onto a "
+        f"--grid grid (linear: the curtail-llm anchor's convention); default {interpolate}",
+    )
+    parser.add_argument(
+        "--grid", type=float, default=60.0, metavar="SECONDS", help="grid step for --interpolate linear (60)"
+    )
+
+
+def _trace_options(args: argparse.Namespace) -> dict:
+    return {
+        "tz": args.tz,
+        "units": args.units,
+        "variant": args.variant,
+        "interpolate": args.interpolate,
+        "grid_s": args.grid,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,5 +350,35 @@ def _dispatch(args: argparse.Namespace) -> int:
             as_json=args.json,
             interpolate=args.interpolate,
             grid_s=args.grid,
+        )
+    if args.command == "simulate":
+        from greenswarm.simulation.report import run_simulate
+
+        return run_simulate(
+            args.trace,
+            args.regions,
+            policy=args.policy,
+            overrides=args.overrides,
+            threshold=args.threshold,
+            work=args.work,
+            start=args.start,
+            deadline=args.deadline,
+            forecast=args.forecast,
+            compare=args.compare,
+            trace_options=_trace_options(args),
+            plot=args.plot,
+            as_json=args.json,
+        )
+    if args.command == "reproduce":
+        from greenswarm.simulation.reproduce import run_reproduce
+
+        return run_reproduce(
+            args.events,
+            args.trace,
+            regions=args.regions,
+            offset_s=args.offset_s,
+            gap_s=args.gap_s,
+            trace_options=_trace_options(args),
+            as_json=args.json,
         )
     raise AssertionError(args.command)

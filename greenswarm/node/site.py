@@ -33,7 +33,7 @@ from greenswarm.node.swarm_view import SwarmView, state_key
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import make_clock
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
-from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
+from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
 from greenswarm.traces import load_trace
 
@@ -63,9 +63,7 @@ class SiteNode:
                 field="region",
             )
         self.trace = trace
-        self.schedule = WindowSchedule(
-            trace, cfg.region, ThresholdPolicy(cfg.scheduler.threshold, cfg.scheduler.min_window_s)
-        )
+        self.schedule = WindowSchedule(trace, cfg.region, cfg.scheduler.window_policy())
         self.clock = make_clock(cfg.scheduler.clock, trace.start)
         self.ledger = EnergyLedger(
             trace,

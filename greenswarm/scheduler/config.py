@@ -15,6 +15,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.clock import parse_instant
+from greenswarm.scheduler.forecast import FORECASTERS, make_forecaster
+from greenswarm.scheduler.policy import HysteresisPolicy, PercentilePolicy, WindowPolicy
 from greenswarm.traces.builtin import BUILTIN_TRACES
 from greenswarm.traces.readers import INTERPOLATIONS, UNITS, VARIANTS
 
@@ -23,7 +25,7 @@ CLOCK_KINDS = ("wall", "replay")
 POWER_SOURCES = ("auto", "config", "nvml")
 
 
-def _number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
+def check_number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
     """Check that ``value`` is a finite real number above ``minimum`` (bools are not numbers here)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"must be a number, got {value!r}", field=name)
@@ -77,14 +79,14 @@ class ClockConfig:
     def validate(self) -> None:
         if self.kind not in CLOCK_KINDS:
             raise ConfigError(f"must be one of {', '.join(CLOCK_KINDS)}, got {self.kind!r}", field="kind")
-        _number(self.speedup, "speedup", minimum=0.0, inclusive=False)
+        check_number(self.speedup, "speedup", minimum=0.0, inclusive=False)
         if self.start is not None:
             try:
                 parse_instant(self.start)
             except ConfigError as err:
                 raise err.located("start") from None
         if self.start_wall is not None:
-            _number(self.start_wall, "start_wall", minimum=0.0, inclusive=True)
+            check_number(self.start_wall, "start_wall", minimum=0.0, inclusive=True)
 
 
 @dataclass
@@ -103,6 +105,14 @@ class SchedulerConfig:
     median steps), and ``interpolate``: ``hold`` keeps the published step function, as a live
     controller sees it; ``linear`` interpolates onto a ``grid_s`` grid, the curtail-llm anchor's
     convention, for replays that should match its accounting.
+
+    The window rule (see :mod:`greenswarm.scheduler.policy`): a site enters below ``threshold`` and
+    leaves once intensity has been >= ``leave_above`` (default: ``threshold``) for ``dwell_s``
+    seconds; with ``lookahead`` (a forecaster: oracle, seasonal, persistence, climatology, noisy) it
+    leaves at once when the forecast says the dirty spell will outlast the dwell. The anchor's rule
+    is ``threshold: 100, dwell_s: 600``. Alternatively ``percentile`` (0-100) opens windows below
+    that percentile of the region's own trace, rolling over the last ``percentile_period_s`` seconds
+    when set; it does not combine with ``leave_above``/``dwell_s``/``lookahead``.
     """
 
     trace: str = "builtin"
@@ -116,6 +126,11 @@ class SchedulerConfig:
     interpolate: str = "hold"
     grid_s: float = 60.0
     max_gap_s: float | None = None
+    leave_above: float | None = None
+    dwell_s: float = 0.0
+    lookahead: str | None = None
+    percentile: float | None = None
+    percentile_period_s: float | None = None
     clock: ClockConfig = field(default_factory=ClockConfig)
 
     def validate(self) -> None:
@@ -134,10 +149,11 @@ class SchedulerConfig:
                     f"unknown timezone {self.timezone!r} (expected an IANA name such as Europe/Berlin)",
                     field="timezone",
                 ) from None
-        _number(self.threshold, "threshold", minimum=0.0, inclusive=False)
-        _number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
-        _number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
+        check_number(self.threshold, "threshold", minimum=0.0, inclusive=False)
+        check_number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
+        check_number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
         self._validate_reading()
+        self._validate_rule()
         if not isinstance(self.clock, ClockConfig):
             raise ConfigError("must be a mapping of clock settings", field="clock")
         try:
@@ -151,11 +167,50 @@ class SchedulerConfig:
         _choice(self.units, list(UNITS), "units")
         _choice(self.variant, list(VARIANTS), "variant")
         _choice(self.interpolate, INTERPOLATIONS, "interpolate")
-        _number(self.grid_s, "grid_s", minimum=0.0, inclusive=False)
+        check_number(self.grid_s, "grid_s", minimum=0.0, inclusive=False)
         if self.max_gap_s is not None:
-            _number(self.max_gap_s, "max_gap_s", minimum=0.0, inclusive=False)
+            check_number(self.max_gap_s, "max_gap_s", minimum=0.0, inclusive=False)
         if self.start is not None:
             _offset_origin(self.start, self.timezone)
+
+    def _validate_rule(self) -> None:
+        """The window rule's fields, including the combinations that make no sense."""
+        if self.leave_above is not None:
+            check_number(self.leave_above, "leave_above", minimum=0.0, inclusive=False)
+            if self.leave_above < self.threshold:
+                raise ConfigError(
+                    f"must be >= threshold ({self.threshold:g}), got {self.leave_above!r}",
+                    field="leave_above",
+                )
+        check_number(self.dwell_s, "dwell_s", minimum=0.0, inclusive=True)
+        if self.lookahead is not None:
+            _choice(self.lookahead, list(FORECASTERS), "lookahead")
+        if self.percentile is not None:
+            check_number(self.percentile, "percentile", minimum=0.0, inclusive=False)
+            if self.percentile > 100:
+                raise ConfigError(f"must be <= 100, got {self.percentile!r}", field="percentile")
+            for name in ("leave_above", "lookahead"):
+                if getattr(self, name) is not None:
+                    raise ConfigError("does not combine with percentile", field=name)
+            if self.dwell_s:
+                raise ConfigError("does not combine with percentile", field="dwell_s")
+        if self.percentile_period_s is not None:
+            check_number(self.percentile_period_s, "percentile_period_s", minimum=0.0, inclusive=False)
+            if self.percentile is None:
+                raise ConfigError("needs percentile to be set", field="percentile_period_s")
+
+    def window_policy(self) -> WindowPolicy:
+        """The window rule these fields describe; the node and ``greenswarm simulate`` both use it,
+        so a simulated policy and a running site are configured the same way."""
+        if self.percentile is not None:
+            return PercentilePolicy(self.percentile, self.min_window_s, self.percentile_period_s)
+        return HysteresisPolicy(
+            self.threshold,
+            self.leave_above,
+            dwell_s=self.dwell_s,
+            min_window_s=self.min_window_s,
+            lookahead=make_forecaster(self.lookahead.strip().lower()) if self.lookahead else None,
+        )
 
     def trace_options(self) -> dict[str, Any]:
         """Keyword options for :func:`~greenswarm.traces.load_trace`, so every caller that loads a
@@ -190,11 +245,11 @@ class EnergyConfig:
     nvml_overhead: float = 1.0
 
     def validate(self) -> None:
-        _number(self.train_kw, "train_kw", minimum=0.0, inclusive=True)
-        _number(self.idle_kw, "idle_kw", minimum=0.0, inclusive=True)
+        check_number(self.train_kw, "train_kw", minimum=0.0, inclusive=True)
+        check_number(self.idle_kw, "idle_kw", minimum=0.0, inclusive=True)
         if self.source not in POWER_SOURCES:
             raise ConfigError(
                 f"must be one of {', '.join(POWER_SOURCES)}, got {self.source!r}", field="source"
             )
         # Below 1 would book less than the GPUs alone draw: almost surely "0.2" meant "+20 %".
-        _number(self.nvml_overhead, "nvml_overhead", minimum=1.0, inclusive=True)
+        check_number(self.nvml_overhead, "nvml_overhead", minimum=1.0, inclusive=True)

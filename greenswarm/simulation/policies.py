@@ -1,129 +1,180 @@
-"""How each policy turns a site's trace into powered and training stretches.
+"""How a policy turns a site's trace into powered and training stretches.
 
-* ``greenswarm``: the node's own behaviour. Windows are intensity < threshold; the site notices a
-  change at its next poll; entering a window costs ``startup_s`` of joining the swarm (catching up
-  with the swarm's state) during which it draws nothing extra because its GPUs were never released
-  to anyone else and its process kept running; outside windows it releases the GPUs (0 kW).
-* ``curtail-llm``: the anchor's controller, as its paper and event log describe it: enter below
-  100, leave only after 600 s continuously above, 300 s of provisioning before training at 0.468 kW,
-  the same 0.468 kW while provisioned but not training, and synchronous 600 s rounds that stop
-  training for 130 s of aggregation and evaluation whenever two or more sites take part.
-* ``ideal``: training exactly inside each site's threshold windows, nothing outside: the yardstick.
+A policy is configuration, not code: the ``scheduler`` and ``energy`` sections a site's YAML already
+has (so a simulated policy and a running node are configured identically), plus a ``provisioning``
+section for what only a simulation has to model -- how long a site takes from "go" to its first
+step, and what synchronous rounds cost. Presets:
 
-Each is one :class:`PolicySpec`, so a new policy is data, not a new code path.
+* ``greenswarm``: the node's behaviour. Enter below the threshold, leave as soon as intensity is
+  above it (the next 10 s poll), ``startup_s`` 10 s to rejoin (the node keeps its process and
+  model in memory while idle; its first step came 3.2 s after launch in the demo, catching up with
+  the swarm adds a state download), charged at full training power. GPUs are released while idle
+  (0 kW), and averaging overlaps training, so federated rounds cost no pause.
+* ``curtail-llm``: the anchor's controller as its paper and event log describe it. Enter below 100,
+  leave only after 600 s continuously above, 300 s of provisioning before training at 0.468 kW,
+  the same 0.468 kW while provisioned but not training, and 600 s synchronous rounds that stop
+  training for 130 s of aggregation and evaluation whenever two or more sites take part (the
+  length of the gaps in its loss logs).
+* ``ideal``: training exactly inside each site's threshold windows, nothing outside: the yardstick
+  every policy is shown against.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
-from greenswarm.scheduler.policy import HysteresisPolicy, WindowPolicy
+from greenswarm.configuration import load_config
+from greenswarm.errors import ConfigError
+from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig, check_number
 from greenswarm.simulation.engine import Segments, SiteRun, split_federated
 from greenswarm.simulation.intervals import as_intervals, subtract
 from greenswarm.traces.trace import Trace
 
+STARTUP_POWER = ("idle", "train")
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """Everything that decides when a simulated site draws power and when it makes progress."""
 
-    name: str
-    threshold: float = 100.0
-    dwell_s: float = 0.0
-    lookahead: str | None = None
-    min_window_s: float = 0.0
-    poll_s: float = 10.0
+@dataclass
+class ProvisioningConfig:
+    """What it costs a simulated site to start training and to take part in synchronous rounds.
+
+    ``startup_s``: seconds from deciding to train to the first step, drawn at ``idle_kw``
+    (``startup_power: idle``, a machine being provisioned) or ``train_kw`` (``train``: GPUs busy
+    loading state). ``round_overhead_s``: seconds of no training after every ``round_s`` seconds of
+    training whenever two or more sites train at once, drawn at ``idle_kw``. ``at_polls``: the
+    site notices a change at its next ``scheduler.poll_s`` poll (off only for the ideal yardstick).
+    """
+
     startup_s: float = 0.0
-    train_kw: float = 2.024
-    idle_kw: float = 0.0
+    startup_power: str = "idle"
     round_s: float = 600.0
     round_overhead_s: float = 0.0
+    at_polls: bool = True
 
-    def window_policy(self) -> WindowPolicy:
-        from greenswarm.scheduler.forecast import make_forecaster
+    def validate(self) -> None:
+        check_number(self.startup_s, "startup_s", minimum=0.0, inclusive=True)
+        if self.startup_power not in STARTUP_POWER:
+            raise ConfigError(
+                f"must be one of {', '.join(STARTUP_POWER)}, got {self.startup_power!r}",
+                field="startup_power",
+            )
+        check_number(self.round_s, "round_s", minimum=0.0, inclusive=False)
+        check_number(self.round_overhead_s, "round_overhead_s", minimum=0.0, inclusive=True)
 
-        ahead = make_forecaster(self.lookahead) if self.lookahead else None
-        return HysteresisPolicy(
-            self.threshold, dwell_s=self.dwell_s, min_window_s=self.min_window_s, lookahead=ahead
-        )
+
+@dataclass
+class PolicyConfig:
+    """One simulated policy: a name, a site's scheduler and energy sections, and provisioning."""
+
+    name: str = "custom"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    energy: EnergyConfig = field(default_factory=lambda: EnergyConfig(source="config"))
+    provisioning: ProvisioningConfig = field(default_factory=ProvisioningConfig)
 
     def describe(self) -> str:
-        parts = [f"enter < {self.threshold:g} gCO2/kWh"]
-        parts.append(f"leave after {self.dwell_s:g} s above" if self.dwell_s else "leave when above")
-        if self.lookahead:
-            parts.append(f"look-ahead: {self.lookahead}")
-        if self.poll_s:
-            parts.append(f"poll {self.poll_s:g} s")
-        if self.startup_s:
-            parts.append(f"start-up {self.startup_s:g} s")
-        if self.idle_kw:
-            parts.append(f"{self.idle_kw:g} kW while powered and idle")
-        if self.round_overhead_s:
-            parts.append(f"{self.round_overhead_s:g} s pause per {self.round_s:g} s federated round")
+        """One line a person can check against the paper or the site config."""
+        s, e, p = self.scheduler, self.energy, self.provisioning
+        if s.percentile is not None:
+            parts = [f"enter < p{s.percentile:g} of the region's trace"]
+        else:
+            parts = [f"enter < {s.threshold:g} gCO2/kWh"]
+            leave = s.leave_above if s.leave_above is not None else s.threshold
+            parts.append(
+                f"leave after {s.dwell_s:g} s >= {leave:g}" if s.dwell_s else f"leave when >= {leave:g}"
+            )
+            if s.lookahead:
+                parts.append(f"look-ahead: {s.lookahead}")
+        parts.append(f"poll {s.poll_s:g} s" if p.at_polls else "reacts instantly")
+        if p.startup_s:
+            parts.append(f"start-up {p.startup_s:g} s at {p.startup_power} power")
+        parts.append(f"{e.train_kw:g} kW training, {e.idle_kw:g} kW powered but idle")
+        if p.round_overhead_s:
+            parts.append(f"{p.round_overhead_s:g} s pause per {p.round_s:g} s federated round")
         return ", ".join(parts)
 
 
-POLICIES: dict[str, PolicySpec] = {
-    "greenswarm": PolicySpec("greenswarm", poll_s=10.0, startup_s=30.0),
-    "curtail-llm": PolicySpec(
-        "curtail-llm", dwell_s=600.0, poll_s=10.0, startup_s=300.0, idle_kw=0.468, round_overhead_s=130.0
+def _preset(name: str, scheduler: dict, energy: dict, provisioning: dict) -> PolicyConfig:
+    return PolicyConfig(
+        name,
+        SchedulerConfig(**scheduler),
+        EnergyConfig(source="config", **energy),
+        ProvisioningConfig(**provisioning),
+    )
+
+
+POLICIES: dict[str, PolicyConfig] = {
+    "greenswarm": _preset("greenswarm", {}, {}, {"startup_s": 10.0, "startup_power": "train"}),
+    "curtail-llm": _preset(
+        "curtail-llm",
+        {"dwell_s": 600.0},
+        {"idle_kw": 0.468},
+        {"startup_s": 300.0, "round_overhead_s": 130.0},
     ),
-    "ideal": PolicySpec("ideal", poll_s=0.0),
+    "ideal": _preset("ideal", {}, {}, {"at_polls": False}),
 }
 
 
-def policy_spec(name: str, **overrides: float) -> PolicySpec:
-    """The preset called ``name`` with ``overrides`` (None values ignored) applied."""
-    try:
-        spec = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
-    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+def load_policy(spec: str, overrides: list[str] | None = None) -> PolicyConfig:
+    """A preset by name, or a policy YAML file (sections ``scheduler``, ``energy``,
+    ``provisioning``); ``overrides`` are ``--set key=value`` strings as for a site config."""
+    if spec in POLICIES:
+        from greenswarm.configuration import to_dict
+
+        base = to_dict(POLICIES[spec])
+        return load_config(PolicyConfig, None, overrides, base=base)
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(
+            f"no policy {spec!r}: give one of {', '.join(POLICIES)} or a policy YAML file", where="--policy"
+        )
+    cfg = load_config(PolicyConfig, path, overrides)
+    return cfg if cfg.name != "custom" else replace(cfg, name=path.stem)
 
 
 def _to_poll(t: np.ndarray, start: float, poll_s: float) -> np.ndarray:
     """The first poll at or after each of ``t`` (polls at ``start + k * poll_s``)."""
-    if poll_s <= 0:
-        return t
     return start + np.ceil((t - start) / poll_s - 1e-9) * poll_s
 
 
-def site_run(name: str, region: str, trace: Trace, spec: PolicySpec, start: float) -> SiteRun:
-    """The stretches one site spends powered and training under ``spec`` from ``start`` onwards."""
-    windows = spec.window_policy().windows(trace, region)
+def site_run(
+    name: str, region: str, decide: Trace, policy: PolicyConfig, start: float, windows: list | None = None
+) -> SiteRun:
+    """The stretches one site spends powered and training from ``start`` on, deciding on ``decide``.
+
+    ``windows`` (the policy's windows for ``region``) may be passed in when many sites share a region.
+    """
+    s, e, p = policy.scheduler, policy.energy, policy.provisioning
+    if windows is None:
+        windows = s.window_policy().windows(decide, region)
     raw = np.array([(w.start, w.end) for w in windows]).reshape(-1, 2)
     raw = raw[raw[:, 1] > start]
-    enter = _to_poll(np.maximum(raw[:, 0], start), start, spec.poll_s)
-    leave = np.minimum(_to_poll(raw[:, 1], start, spec.poll_s), trace.end)
+    enter, leave = np.maximum(raw[:, 0], start), raw[:, 1]
+    if p.at_polls:
+        enter, leave = (
+            _to_poll(enter, start, s.poll_s),
+            np.minimum(_to_poll(leave, start, s.poll_s), decide.end),
+        )
     powered = as_intervals(np.column_stack([enter, leave]))
-    training = as_intervals(np.column_stack([enter + spec.startup_s, leave]))
+    training = as_intervals(np.column_stack([enter + p.startup_s, leave]))
+    startup_kw = e.train_kw if p.startup_power == "train" else e.idle_kw
     run = SiteRun(name, region)
-    run.segments.append(Segments("train", training, spec.train_kw, 1.0))
-    run.segments.append(Segments("idle", subtract(powered, training), spec.idle_kw, 0.0))
+    run.segments.append(Segments("train", training, e.train_kw, 1.0))
+    run.segments.append(Segments("idle", subtract(powered, training), startup_kw, 0.0))
     return run
 
 
-def simulate_policy(trace: Trace, regions: list[str], spec: PolicySpec, start: float) -> list[SiteRun]:
-    """Every site's schedule under ``spec``; synchronous-round costs applied across sites."""
-    runs = [site_run(_site_name(i, r), r, trace, spec, start) for i, r in enumerate(regions)]
-    split_federated(runs, spec.round_s, spec.round_overhead_s, spec.idle_kw)
-    return runs
-
-
-def _site_name(i: int, region: str) -> str:
+def site_name(i: int, region: str) -> str:
+    """Sites are named by position and region, so two sites in one region stay apart."""
     return f"site{i}-{region}"
 
 
-def check_spec(spec: PolicySpec) -> None:
-    """Reject impossible numbers with the field's name."""
-    for name in ("threshold", "train_kw", "round_s"):
-        value = getattr(spec, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be > 0, got {value}")
-    for name in ("dwell_s", "min_window_s", "poll_s", "startup_s", "idle_kw", "round_overhead_s"):
-        value = getattr(spec, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be >= 0, got {value}")
+def simulate_policy(decide: Trace, regions: list[str], policy: PolicyConfig, start: float) -> list[SiteRun]:
+    """Every site's schedule under ``policy``, with synchronous-round costs applied across sites."""
+    rule = policy.scheduler.window_policy()
+    windows = {r: rule.windows(decide, r) for r in dict.fromkeys(regions)}
+    runs = [site_run(site_name(i, r), r, decide, policy, start, windows[r]) for i, r in enumerate(regions)]
+    p = policy.provisioning
+    split_federated(runs, p.round_s, p.round_overhead_s, policy.energy.idle_kw)
+    return runs
