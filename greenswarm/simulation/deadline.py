@@ -32,7 +32,7 @@ def _cells(trace: Trace, start: float, stop: float) -> tuple[np.ndarray, np.ndar
     return begins[keep], ends[keep]
 
 
-def _runs(regions: list[str], chosen: list[list[tuple[float, float]]], train_kw: float) -> list[SiteRun]:
+def _runs(regions: list[str], chosen: list, train_kw: float) -> list[SiteRun]:
     runs = []
     for i, (region, pairs) in enumerate(zip(regions, chosen, strict=True)):
         run = SiteRun(f"site{i}-{region}", region)
@@ -51,14 +51,16 @@ def foresight_runs(
     b = np.tile(begins, len(regions))
     e = np.tile(ends, len(regions))
     order = np.argsort(values, kind="stable")
-    chosen: list[list[tuple[float, float]]] = [[] for _ in regions]
-    left = work_s
-    for k in order:
-        if left <= 0:
-            break
-        take = min(e[k] - b[k], left)
-        chosen[site[k]].append((b[k], b[k] + take))
-        left -= take
+    done = np.cumsum(e[order] - b[order])
+    k = int(np.searchsorted(done, work_s - 1e-9))  # cells order[:k] whole, order[k] in part
+    take = order[: k + 1]
+    stop = e[take].copy()
+    if k < len(order):
+        stop[-1] = b[order[k]] + (work_s - (done[k - 1] if k else 0.0))
+    by_site = np.argsort(site[take], kind="stable")
+    bounds = np.searchsorted(site[take][by_site], np.arange(len(regions) + 1))
+    pairs = np.column_stack([b[take], stop])[by_site]
+    chosen = [pairs[bounds[i] : bounds[i + 1]] for i in range(len(regions))]
     return _runs(regions, chosen, train_kw)
 
 
