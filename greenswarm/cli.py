@@ -159,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="P",
         help="train while intensity < the P-th percentile (0-100] of the region's whole trace",
     )
+    win.add_argument(
+        "--period-h",
+        type=float,
+        metavar="H",
+        help="with --percentile: a rolling percentile over the last H hours (only the past, as a live site)",
+    )
     _add_trace_options(win)
     win.add_argument(
         "--min-window-s", type=float, default=0.0, metavar="S", help="drop windows shorter than S seconds"
@@ -342,6 +348,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.region,
             threshold=args.threshold,
             percentile=args.percentile,
+            period_h=args.period_h,
             tz=args.tz,
             units=args.units,
             variant=args.variant,

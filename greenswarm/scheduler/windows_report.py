@@ -40,7 +40,8 @@ def describe_policy(policy: WindowPolicy) -> str:
     if isinstance(policy, ThresholdPolicy):
         text = f"intensity < {policy.threshold:g} gCO2/kWh"
     elif isinstance(policy, PercentilePolicy):
-        text = f"intensity < p{policy.percentile:g} of the region's trace"
+        period = "" if policy.period_s is None else f" over the last {policy.period_s / 3600:g} h"
+        text = f"intensity < p{policy.percentile:g} of the region's trace{period}"
     else:
         return repr(policy)
     min_window_s = getattr(policy, "min_window_s", 0.0)
@@ -182,6 +183,7 @@ def run_windows(
     *,
     threshold: float | None = None,
     percentile: float | None = None,
+    period_h: float | None = None,
     tz: str | None = None,
     units: str = "g/kWh",
     variant: str = "direct",
@@ -198,9 +200,13 @@ def run_windows(
     policy: WindowPolicy
     if threshold is not None and percentile is not None:
         raise ConfigError("give a threshold or a percentile, not both")
+    if period_h is not None and percentile is None:
+        raise ConfigError("a rolling period needs a percentile", where="--period-h")
     try:
         if percentile is not None:
-            policy = PercentilePolicy(percentile, min_window_s)
+            policy = PercentilePolicy(
+                percentile, min_window_s, None if period_h is None else period_h * 3600.0
+            )
         else:
             policy = ThresholdPolicy(100.0 if threshold is None else threshold, min_window_s)
     except ValueError as err:

@@ -108,7 +108,8 @@ def simulate(
     ``policy`` is a :class:`PolicyConfig` or ``deadline`` / ``foresight``. Without ``work_h`` the
     sites run to the end of the trace and the yardsticks are taken at the work they did. The
     ``deadline`` policy must finish by ``deadline_h`` hours after ``start`` (default: the trace's end)
-    and plans with ``forecast``. ``threshold`` and ``train_kw`` override the policy's. Each policy
+    and plans with ``forecast``; perfect foresight, for every policy, picks the cleanest site-hours
+    before that deadline. ``threshold`` and ``train_kw`` override the policy's. Each policy
     in ``compare`` is simulated on the same terms and summarised under ``compare`` (and plotted).
     """
     for region in regions:
@@ -143,8 +144,8 @@ def simulate(
     )
     ideal = simulate_policy(trace, regions, ideal_cfg, start)
     _, ideal_done = _finish(ideal, equal, start, trace.end)
-    capacity = len(regions) * (trace.end - start)
-    foresight = foresight_runs(trace, regions, min(equal, capacity), start, trace.end, train_kw)
+    capacity = len(regions) * (deadline - start)
+    foresight = foresight_runs(trace, regions, min(equal, capacity), start, deadline, train_kw)
     ideal_kg = _kg(ideal, trace, threshold) if ideal_done else None
     foresight_kg = _kg(foresight, trace, threshold) if equal <= capacity else None
 
