@@ -119,7 +119,8 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(
-        f"{out['trace']}: {args.sites} sites x {out['hours']} hourly samples, threshold {threshold:.1f} gCO2/kWh, "
+        f"{out['trace']}: {args.sites} sites x {out['hours']} hourly samples, "
+        f"threshold {threshold:.1f} gCO2/kWh, "
         f"work {work_h:,.0f} site-hours; medians of {args.repeats} runs"
     )
     for k, v in medians.items():

@@ -216,6 +216,13 @@ def _parser() -> argparse.ArgumentParser:
         help="deadline policy's forecast: noisy (true trace x log-normal error, 30%% a day ahead; default), "
         "oracle, seasonal, persistence, climatology",
     )
+    sim.add_argument(
+        "--forecast-error",
+        type=float,
+        default=0.3,
+        metavar="SIGMA",
+        help="noisy forecast's log-normal error a day ahead (default 0.3; grows as sqrt(horizon))",
+    )
     sim.add_argument("--compare", metavar="POLICIES", help="also simulate these policies (comma-separated)")
     _add_trace_options(sim)
     sim.add_argument("--plot", metavar="PNG", help="write cumulative emissions against the yardsticks to PNG")
@@ -371,6 +378,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             start=args.start,
             deadline=args.deadline,
             forecast=args.forecast,
+            forecast_error=args.forecast_error,
             compare=args.compare,
             trace_options=_trace_options(args),
             plot=args.plot,

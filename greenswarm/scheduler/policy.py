@@ -185,7 +185,8 @@ class HysteresisPolicy:
         edges = np.flatnonzero(np.diff(flags))
         run_a, run_b = edges[::2], edges[1::2]  # above-runs are samples [a, b)
         run_t = bounds[run_a]
-        long_run = (bounds[run_b] - run_t) >= self.dwell_s
+        # strictly longer: a spell of exactly dwell_s has ended by the time the dwell is up
+        long_run = (bounds[run_b] - run_t) > self.dwell_s
         early = self._predicted_long(trace, region, run_t)
         exits = np.flatnonzero(long_run | early)
         found: list[Window] = []

@@ -19,6 +19,7 @@ trace holds that value at that time; ``regions`` overrides it.
 from __future__ import annotations
 
 import csv
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,9 @@ def read_events(path: Path) -> list[Event]:
             try:
                 elapsed = float(row["elapsed_s"])
             except (TypeError, ValueError):
-                raise TraceError(f"{path}:{line}: elapsed_s {row['elapsed_s']!r} is not a number") from None
+                elapsed = math.nan
+            if not math.isfinite(elapsed):
+                raise TraceError(f"{path}:{line}: elapsed_s {row['elapsed_s']!r} is not a number")
             events.append(
                 Event(elapsed, row["event_type"] or "", row["client"] or "", row["details"] or "", line)
             )
@@ -96,7 +99,9 @@ def read_training(path: Path, gap_s: float) -> np.ndarray:
             try:
                 times.append(float(row["time"]))
             except (TypeError, ValueError):
-                raise TraceError(f"{path}:{line}: time {row['time']!r} is not a number") from None
+                times.append(math.nan)
+            if not math.isfinite(times[-1]):
+                raise TraceError(f"{path}:{line}: time {row['time']!r} is not a number")
             if len(times) > 1 and times[-1] < times[-2]:
                 raise TraceError(f"{path}:{line}: time goes backwards ({times[-2]:g} -> {times[-1]:g})")
     if len(times) < 2:

@@ -9,8 +9,10 @@ and when it is cleanest, and only as much as the work needs.
 * :func:`deadline_runs`: what a live swarm can do. At each decision step it knows the trace up to
   now and a forecast of the rest (:mod:`greenswarm.scheduler.forecast`); it sets a price
   ``tau`` so that the forecast site-time at or below ``tau`` until the deadline covers the remaining
-  work (plus a safety margin), and runs exactly the sites whose intensity *now* is at or below
-  ``tau``. If the remaining work no longer fits before the deadline, every site runs.
+  work (plus a safety margin), and runs exactly the sites whose intensity *now* is below ``tau``,
+  and a site *at* ``tau`` only for the part of the step the plan needs (with an oracle forecast
+  this is :func:`foresight_runs`). If the remaining work no longer fits before the deadline, every
+  site runs.
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ def deadline_runs(
     forecaster: Forecaster,
     train_kw: float,
     margin: float = 0.1,
+    cap: float | None = None,
 ) -> list[SiteRun]:
     """Decide, at each sample of the trace, which sites train until the next one (see module doc).
 
     ``margin`` asks the forecast for ``(1 + margin)`` x the remaining work, so that a forecast that
-    is too optimistic about later hours does not leave the swarm short at the deadline.
+    is too optimistic about later hours does not leave the swarm short at the deadline. ``cap``
+    (the window threshold) keeps the plan to hours forecast below it while those cover the work:
+    a poor forecast then degrades towards the threshold policy rather than towards dirty hours.
     """
     begins, ends = _cells(trace, start, deadline)
     chosen: list[list[tuple[float, float]]] = [[] for _ in regions]
@@ -92,18 +97,28 @@ def deadline_runs(
         durations = np.concatenate(
             [np.full(len(regions), t_end - t), np.tile(future_e - future_b, len(regions))]
         )
+        if cap is not None:
+            clean = values < cap
+            if durations[clean].sum() >= left * (1.0 + margin):
+                values = np.where(clean, values, np.inf)
         order = np.argsort(values, kind="stable")
         covered = np.cumsum(durations[order])
-        need = min(left * (1.0 + margin), covered[-1])
-        tau = values[order][int(np.searchsorted(covered, need - 1e-9))]
-        running = np.flatnonzero(now <= tau)
-        if left >= covered[-1] - 1e-9:  # no slack left: everyone runs
-            running = np.arange(len(regions))
         step = t_end - t
-        for s in running[np.argsort(now[running], kind="stable")]:
-            if left <= 1e-9:
-                break
-            take = min(step, left)
+        if left >= covered[-1] - 1e-9:  # no slack left: everyone runs
+            allow = np.full(len(regions), step)
+        else:
+            # the plan: the cells order[:m] whole and the marginal cell order[m] (intensity tau) only
+            # in part; a site whose present cell is the marginal one trains just that part now
+            need = left * (1.0 + margin)
+            m = int(np.searchsorted(covered, need - 1e-9))
+            plan = np.zeros(len(values))
+            plan[order[:m]] = durations[order[:m]]
+            plan[order[m]] = need - (covered[m - 1] if m else 0.0)
+            allow = plan[: len(regions)]
+        for s in np.argsort(now, kind="stable"):
+            take = min(allow[s], left)
+            if take <= 1e-9:
+                continue
             chosen[s].append((t, t + take))
             left -= take
     return _runs(regions, chosen, train_kw)

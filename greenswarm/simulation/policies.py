@@ -116,9 +116,10 @@ POLICIES: dict[str, PolicyConfig] = {
 }
 
 
-def load_policy(spec: str, overrides: list[str] | None = None) -> PolicyConfig:
+def load_policy(spec: str, overrides: list[str] | None = None, flag: str = "--policy") -> PolicyConfig:
     """A preset by name, or a policy YAML file (sections ``scheduler``, ``energy``,
-    ``provisioning``); ``overrides`` are ``--set key=value`` strings as for a site config."""
+    ``provisioning``); ``overrides`` are ``--set key=value`` strings as for a site config. ``flag``
+    is the command-line option an unknown name is blamed on."""
     if spec in POLICIES:
         from greenswarm.configuration import to_dict
 
@@ -127,7 +128,7 @@ def load_policy(spec: str, overrides: list[str] | None = None) -> PolicyConfig:
     path = Path(spec)
     if not path.exists():
         raise ConfigError(
-            f"no policy {spec!r}: give one of {', '.join(POLICIES)} or a policy YAML file", where="--policy"
+            f"no policy {spec!r}: give one of {', '.join(POLICIES)} or a policy YAML file", where=flag
         )
     cfg = load_config(PolicyConfig, path, overrides)
     return cfg if cfg.name != "custom" else replace(cfg, name=path.stem)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from greenswarm.scheduler.energy import baseline_emissions_g
-from greenswarm.scheduler.forecast import make_forecaster
+from greenswarm.scheduler.forecast import Forecaster, NoisyForecaster, make_forecaster
 from greenswarm.simulation.deadline import deadline_runs, foresight_runs
 from greenswarm.simulation.engine import (
     SiteRun,
@@ -77,8 +77,9 @@ def _runs_for(
     deadline: float,
     work_s: float | None,
     train_kw: float,
-    forecast: str,
+    forecast: Forecaster,
     margin: float,
+    threshold: float,
 ) -> list[SiteRun]:
     if isinstance(policy, PolicyConfig):
         return simulate_policy(trace, regions, policy, start)
@@ -86,7 +87,7 @@ def _runs_for(
         raise ValueError(f"policy {policy} needs the work to do (--work SITE_HOURS)")
     if policy == "foresight":
         return foresight_runs(trace, regions, work_s, start, deadline, train_kw)
-    return deadline_runs(trace, regions, work_s, start, deadline, make_forecaster(forecast), train_kw, margin)
+    return deadline_runs(trace, regions, work_s, start, deadline, forecast, train_kw, margin, cap=threshold)
 
 
 def simulate(
@@ -98,6 +99,8 @@ def simulate(
     start: float | None = None,
     deadline_h: float | None = None,
     forecast: str = "noisy",
+    forecast_error: float = 0.3,
+    forecast_seed: int = 0,
     margin: float = 0.0,
     threshold: float | None = None,
     train_kw: float | None = None,
@@ -129,7 +132,10 @@ def simulate(
     train_kw = 2.024 if train_kw is None else train_kw
     work_s = None if work_h is None else work_h * 3600.0
 
-    runs = _runs_for(policy, trace, regions, start, deadline, work_s, train_kw, forecast, margin)
+    forecaster = (
+        NoisyForecaster(forecast_error, forecast_seed) if forecast == "noisy" else make_forecaster(forecast)
+    )
+    runs = _runs_for(policy, trace, regions, start, deadline, work_s, train_kw, forecaster, margin, threshold)
     end, done = _finish(runs, work_s, start, deadline if isinstance(policy, str) else trace.end)
     totals = account(runs, trace, threshold)
     work_done = _sum(totals, "work_s")
@@ -158,7 +164,11 @@ def simulate(
         if isinstance(policy, PolicyConfig)
         else (
             f"cleanest site-hours before {iso(deadline)}"
-            + (f", planned with the {forecast} forecast" if policy == "deadline" else ", perfect foresight")
+            + (
+                f", planned with the {_forecast_text(forecast, forecast_error)}"
+                if policy == "deadline"
+                else ", perfect foresight"
+            )
         )
     )
     report: dict[str, Any] = {
@@ -198,6 +208,8 @@ def simulate(
     }
     if isinstance(policy, str) and policy == "deadline":
         report["forecast"] = forecast
+        if forecast == "noisy":
+            report["forecast_error"] = forecast_error
         report["deadline"] = iso(deadline)
     yardsticks = {"ideal": ideal, "foresight": foresight}
     report["compare"] = {}
@@ -218,6 +230,12 @@ def simulate(
         }
         yardsticks[other.name] = sub.runs
     return Simulation(report, runs, yardsticks, trace, start, end)
+
+
+def _forecast_text(name: str, error: float) -> str:
+    if name == "noisy":
+        return f"noisy forecast (truth x log-normal error, sigma {error:g} a day ahead)"
+    return f"{name} forecast"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -372,6 +390,7 @@ def run_simulate(
     start: str | None = None,
     deadline: float | None = None,
     forecast: str = "noisy",
+    forecast_error: float = 0.3,
     compare: str | None = None,
     trace_options: dict[str, Any] | None = None,
     plot: str | None = None,
@@ -391,6 +410,8 @@ def run_simulate(
     for flag, value in (("--work", work), ("--deadline", deadline), ("--threshold", threshold)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"must be a number > 0, got {value:g}", where=flag)
+    if not (math.isfinite(forecast_error) and forecast_error >= 0):
+        raise ConfigError(f"must be a number >= 0, got {forecast_error:g}", where="--forecast-error")
     if forecast not in FORECASTERS:
         raise ConfigError(
             f"unknown forecast {forecast!r}; known: {', '.join(FORECASTERS)}", where="--forecast"
@@ -398,12 +419,16 @@ def run_simulate(
     chosen: str | PolicyConfig = policy if policy in DEADLINE_POLICIES else load_policy(policy, overrides)
     if policy in DEADLINE_POLICIES and work is None:
         raise ConfigError(f"the {policy} policy plans for a fixed amount of work: give --work SITE_HOURS")
-    others = tuple(load_policy(p.strip()) for p in (compare or "").split(",") if p.strip())
+    others = tuple(load_policy(p.strip(), flag="--compare") for p in (compare or "").split(",") if p.strip())
     loaded = load_trace(trace, **(trace_options or {}))
     try:
         begin = None if start is None else parse_instant(start)
     except ConfigError as err:
         raise ConfigError(err.message, where="--start") from None
+    if begin is not None and not loaded.start <= begin < loaded.end:
+        raise ConfigError(
+            f"{start} is outside the trace ({iso(loaded.start)} .. {iso(loaded.end)})", where="--start"
+        )
     try:
         sim = simulate(
             loaded,
@@ -413,6 +438,7 @@ def run_simulate(
             start=begin,
             deadline_h=deadline,
             forecast=forecast,
+            forecast_error=forecast_error,
             threshold=threshold,
             compare=others,
         )

@@ -122,8 +122,14 @@ def run_reproduce(
     as_json: bool = False,
 ) -> int:
     """``greenswarm reproduce``: load, account, print the table (or one JSON object)."""
+    import math
+
     from greenswarm.traces.readers import load_trace
 
+    if not (math.isfinite(gap_s) and gap_s > 0):
+        raise ConfigError(f"must be a number of seconds > 0, got {gap_s:g}", where="--gap-s")
+    if not math.isfinite(offset_s):
+        raise ConfigError(f"must be a finite number of seconds, got {offset_s:g}", where="--offset-s")
     loaded = load_trace(trace, **(trace_options or {}))
     report = reproduce(Path(events), loaded, regions=_client_regions(regions), offset_s=offset_s, gap_s=gap_s)
     if as_json:
