@@ -601,3 +601,26 @@ def test_cli_missing_trace(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"greenswarm simulate: error: {tmp_path / 'nope.csv'}: no such trace file"
     ]
+
+
+def test_scale_benchmark_runs_small() -> None:
+    """benchmarks/simulate_scale.py keeps working (a tiny run; the real figure is 1000 sites)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "simulate_scale.py"),
+            "--sites",
+            "12",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["sites"] == 12 and out["hours"] >= 8760
+    assert set(out["median_s"]) == {"numpy pass", "greenswarm", "curtail-llm"}
+    assert out["foresight_kg"] <= out["ideal_kg"] <= out["emissions_kg"]["curtail-llm"]
