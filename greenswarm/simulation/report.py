@@ -316,8 +316,10 @@ def plot_simulation(sim: Simulation, path: str) -> str:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
     try:
         for label, ys in curves.items():
-            ax.plot(x, ys, label=label)
-            bx.plot(x, ys, label=label)
+            # yardsticks dotted, so a policy that matches one (greenswarm and the ideal) shows both
+            style = {"linestyle": ":", "linewidth": 2.2} if label.startswith(("ideal ", "foresight ")) else {}
+            ax.plot(x, ys, label=label, **style)
+            bx.plot(x, ys, label=label, **style)
         for region in rep["baselines"]:
             upto = np.minimum(grid, sim.start + hours_equal * 3600.0)
             ys = np.array([sim.trace.integral(region, sim.start, u) for u in upto]) * _train_kw(sim) / 3.6e6
