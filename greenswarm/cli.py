@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         help="other bootstrap peers to join (several bootstrap peers add redundancy)",
     )
     boot.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    boot.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="do not relay for sites behind NAT (by default the bootstrap carries their connections)",
+    )
     boot.add_argument("--json", action="store_true", help="print the peer id and addresses as JSON")
 
     node = sub.add_parser(
@@ -317,6 +322,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 "announce": args.announce,
                 "swarm": args.swarm,
                 "initial_peers": args.initial_peers,
+                "relay": not args.no_relay,
             },
             source="arguments",
         )

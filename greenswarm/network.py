@@ -2,10 +2,18 @@
 
 Every command that talks to the swarm (bootstrap, node, progress) goes through :func:`start_dht`, so
 they agree on validators (signed, schema-checked records) and report an unreachable swarm the same way.
+
+It also decides how a peer is reached (see ``docs/nat.md``). A site that others can dial joins
+*directly*. A site behind NAT joins *through a relay*: it reserves a libp2p circuit-relay slot on
+its bootstrap peer, announces ``<bootstrap>/p2p-circuit`` as its only address, and every
+connection to it is carried by the bootstrap. The bootstrap runs the relay service. Two p2pd flags
+that recipe needs have no hivemind argument, so they travel as named reachability modes that
+:func:`_register_p2pd_modes` adds to hivemind's table of p2pd flags.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,12 +51,53 @@ def check_peers(peers: list[str], what: str) -> list[str]:
     return [check_maddr(p, what, need_peer_id=True) for p in peers]
 
 
+REACHABILITY = ("auto", "direct", "relay")
+
+#: Named p2pd flag sets, registered into hivemind's reachability table (see _register_p2pd_modes).
+RELAY_SERVICE_MODE = "greenswarm-relay-service"
+BEHIND_NAT_MODE = "greenswarm-behind-nat"
+#: A relayed connection carries at most this many bytes each way and lasts at most this long before
+#: the relay resets it (p2pd's defaults: 4 GiB, 30 min). A site keeps its averaging connection for
+#: the whole run, so the bootstrap raises both far beyond a training run.
+RELAY_DATA_LIMIT = 1 << 50
+RELAY_TIME_LIMIT = "8760h"
+
+
+def _register_p2pd_modes() -> None:
+    """Teach hivemind's P2P two extra sets of p2pd flags, selected by ``force_reachability``.
+
+    hivemind 1.1.12 passes ``P2P.FORCE_REACHABILITY_MAPPING[force_reachability]`` to p2pd as flags
+    and has no other way to add one. Two are needed and measured (docs/nat.md): a site behind NAT
+    must turn relay *discovery* off (``-relayDiscovery=false``; with it on, the reservation on the
+    trusted relay waits ~180 s), and the bootstrap must raise the relay's per-connection data and
+    time limits. Registering new names leaves hivemind's own modes untouched.
+    """
+    from hivemind.p2p import P2P
+
+    P2P.FORCE_REACHABILITY_MAPPING.setdefault(
+        RELAY_SERVICE_MODE,
+        {
+            "forceReachabilityPublic": 1,
+            "relayDataLimit": RELAY_DATA_LIMIT,
+            "relayTimeLimit": RELAY_TIME_LIMIT,
+        },
+    )
+    P2P.FORCE_REACHABILITY_MAPPING.setdefault(
+        BEHIND_NAT_MODE, {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+    )
+
+
 @dataclass
 class SwarmConfig:
     """How a process joins the swarm.
 
     ``name`` separates swarms that share a DHT: it prefixes every key and averaging group, so two
     experiments on one bootstrap peer never average with each other.
+
+    ``reachability`` says how other sites reach this one: ``direct`` (they dial its addresses),
+    ``relay`` (through its initial peers' circuit relay; for sites behind NAT or a firewall that
+    allows outbound connections only) or ``auto``: direct when the site announces an address, has a
+    public IP to listen on, or the whole swarm is on this machine; relay otherwise.
     """
 
     name: str = "greenswarm"
@@ -56,6 +105,7 @@ class SwarmConfig:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     identity: str | None = None
+    reachability: str = "auto"
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -65,6 +115,84 @@ class SwarmConfig:
             check_maddr(m, "host_maddrs", need_peer_id=False)
         for m in self.announce_maddrs:
             check_maddr(m, "announce_maddrs", need_peer_id=False)
+        if self.reachability not in REACHABILITY:
+            raise ConfigError(
+                f"must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}", field="reachability"
+            )
+        if self.reachability == "relay" and not self.initial_peers:
+            raise ConfigError(
+                "a site reached through a relay needs initial_peers to relay through", field="reachability"
+            )
+
+
+def _ips(maddrs: list[str]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    out = []
+    for m in maddrs:
+        parts = m.split("/")
+        for proto, value in zip(parts[1::2], parts[2::2], strict=False):
+            if proto in ("ip4", "ip6"):
+                try:
+                    out.append(ipaddress.ip_address(value))
+                except ValueError:
+                    pass
+    return out
+
+
+def _local_public_ips() -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """This machine's globally routable interface addresses (what 0.0.0.0 would listen on)."""
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            try:
+                ip = ipaddress.ip_address(a.address.split("%")[0])
+            except ValueError:
+                continue
+            if ip.is_global:
+                found.append(ip)
+    return found
+
+
+def resolve_reachability(cfg: SwarmConfig) -> tuple[str, str]:
+    """``(direct|relay, why)`` for ``cfg``: the choice ``auto`` makes, and the reason, for the log.
+
+    The safe default is the relay: it works from behind any NAT that allows outbound TCP, and a
+    direct address that others cannot dial makes every averaging group fail. So ``auto`` goes
+    direct only on evidence that others can dial this site.
+    """
+    if cfg.reachability != "auto":
+        return cfg.reachability, f"swarm.reachability is {cfg.reachability}"
+    if not cfg.initial_peers:
+        return "direct", "no initial peers: this peer starts the swarm"
+    if cfg.announce_maddrs:
+        return "direct", "the site announces its own addresses"
+    peer_ips = _ips(cfg.initial_peers)
+    if peer_ips and all(ip.is_loopback for ip in peer_ips):
+        return "direct", "the whole swarm is on this machine"
+    listen = _ips(cfg.host_maddrs)
+    if any(ip.is_global for ip in listen):
+        return "direct", "it listens on a public address"
+    if any(ip.is_unspecified for ip in listen) and _local_public_ips():
+        return "direct", "it listens on all interfaces and has a public address"
+    return "relay", "no public address: others reach it through its initial peers' relay"
+
+
+def relay_options(initial_peers: list[str]) -> dict[str, Any]:
+    """The DHT options of a site reached through its initial peers' relay (docs/nat.md)."""
+    return {
+        "force_reachability": BEHIND_NAT_MODE,
+        "use_auto_relay": True,
+        "trusted_relays": list(initial_peers),
+        # p2pd builds circuit addresses only from a relay's *public* IPs; announcing them ourselves
+        # also covers relays on private addresses (a campus, a test's network namespaces)
+        "announce_maddrs": [f"{peer}/p2p-circuit" for peer in initial_peers],
+    }
+
+
+def relay_service_options() -> dict[str, Any]:
+    """The DHT options of a bootstrap peer that relays for sites behind NAT."""
+    return {"force_reachability": RELAY_SERVICE_MODE}
 
 
 def start_dht(
@@ -81,6 +209,7 @@ def start_dht(
     from hivemind import DHT
     from hivemind.p2p import P2PDaemonError
 
+    _register_p2pd_modes()
     try:
         return DHT(
             initial_peers=initial_peers or None,

@@ -135,6 +135,18 @@ class Swarm:
             start_new_session=True,
         )
 
+    def run_in(self, prefix: list[str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        """Like :meth:`run`, inside another context (``prefix``: e.g. ``ip netns exec NS``)."""
+        return subprocess.run(
+            [*prefix, sys.executable, "-m", "greenswarm", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            cwd=self.tmp,
+            start_new_session=True,
+        )
+
     def wait(self, name: str, timeout: float) -> int:
         try:
             return self.procs[name].wait(timeout=timeout)

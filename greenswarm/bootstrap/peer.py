@@ -1,19 +1,20 @@
 """The bootstrap peer: a DHT peer with a stable identity that sites dial first and relay through.
 
 It holds no model and takes no part in averaging; it only keeps the DHT reachable (sites store their
-progress records and find averaging groups through it) and, as a public libp2p peer, offers the
-circuit-relay service that sites behind NAT will use (issue #4).
+progress records and find averaging groups through it) and, as a public libp2p peer, runs the
+circuit-relay service through which sites behind NAT reach each other (docs/nat.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
 from greenswarm.bootstrap.identity import load_or_create_identity
 from greenswarm.errors import ConfigError
-from greenswarm.network import check_maddr, start_dht, visible_peer_maddrs
+from greenswarm.network import check_maddr, relay_service_options, start_dht, visible_peer_maddrs
 from greenswarm.node.progress import record_validators
 
 log = logging.getLogger("greenswarm.bootstrap")
@@ -30,6 +31,7 @@ class BootstrapConfig:
     announce: list[str] = field(default_factory=list)
     swarm: str = "greenswarm"
     initial_peers: list[str] = field(default_factory=list)  # other bootstrap peers, for redundancy
+    relay: bool = True  # carry connections for sites behind NAT (circuit relay with raised limits)
 
     def validate(self) -> None:
         if not self.listen:
@@ -49,12 +51,18 @@ class BootstrapPeer:
         self.cfg = cfg
         self.peer_id = load_or_create_identity(cfg.identity)
         self._stopped = threading.Event()
+        if cfg.relay:
+            # p2pd starts a second relay service with go-libp2p's defaults (128 KiB and 2 min per
+            # connection) that races the configured one; with one Go thread the configured one
+            # registers first (docs/nat.md). An operator's own GOMAXPROCS wins.
+            os.environ.setdefault("GOMAXPROCS", "1")
         self.dht = start_dht(
             cfg.initial_peers,
             host_maddrs=cfg.listen,
             announce_maddrs=cfg.announce,
             identity_path=cfg.identity,
             record_validators=record_validators(cfg.swarm),
+            **(relay_service_options() if cfg.relay else {}),
         )
         self.initial_peers = visible_peer_maddrs(self.dht)
 

@@ -24,7 +24,7 @@ from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
 from greenswarm.bootstrap.identity import load_or_create_identity
 from greenswarm.errors import ConfigError
-from greenswarm.network import start_dht
+from greenswarm.network import relay_options, resolve_reachability, start_dht
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
@@ -81,6 +81,8 @@ class SiteNode:
         self.counts = {"federated_rounds": 0, "solo_rounds": 0, "failed_rounds": 0, "catch_ups": 0}
         self.round_seconds: list[float] = []
         self.first_step_s: float | None = None
+        self.first_round_s: float | None = None
+        self.reachability = "direct"  # decided when the site joins the swarm
         self._slot = -1
         self._last_log = 0.0
         self.peer_id = ""
@@ -230,6 +232,9 @@ class SiteNode:
         )
         if outcome.ok:
             self.round_seconds.append(outcome.seconds)
+            if self.first_round_s is None:
+                self.first_round_s = time.monotonic() - self.started
+                self.log.info("first averaging round completed %.1f s after start", self.first_round_s)
         return outcome
 
     def _catch_up(self, in_window_only: bool) -> bool:
@@ -284,12 +289,20 @@ class SiteNode:
         identity = cfg.swarm.identity
         if identity:
             load_or_create_identity(identity)
+        self.reachability, why = resolve_reachability(cfg.swarm)
+        how = "through a relay" if self.reachability == "relay" else "directly"
+        self.log.info("joining the swarm %s: %s", how, why)
+        reach: dict[str, Any] = {"announce_maddrs": cfg.swarm.announce_maddrs}
+        if self.reachability == "relay":
+            # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot
+            # dial it for DHT queries cheaply, so it does not serve them)
+            reach = {**relay_options(cfg.swarm.initial_peers), "client_mode": True}
         self.dht = start_dht(
             cfg.swarm.initial_peers,
             host_maddrs=cfg.swarm.host_maddrs,
-            announce_maddrs=cfg.swarm.announce_maddrs,
             identity_path=identity,
             record_validators=validators,
+            **reach,
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = SwarmAverager(
@@ -439,6 +452,16 @@ class SiteNode:
         )
         return summary
 
+    def _connections(self) -> dict[str, list[str]]:
+        """The peers this site's p2p daemon is connected to now, with the addresses it uses for each:
+        a site behind NAT shows ``/p2p-circuit`` addresses for every other site (it never dialled
+        one directly). Best effort: an empty dict if the daemon cannot be asked."""
+        try:
+            return self.dht.run_coroutine(_list_connections, return_future=False)
+        except Exception as err:  # a diagnostic only; never fail the run's summary over it
+            self.log.debug("cannot list connections: %r", err)
+            return {}
+
     def summary(self) -> dict[str, Any]:
         rounds = sorted(self.round_seconds)
         return {
@@ -456,6 +479,9 @@ class SiteNode:
             "emissions_g": self.ledger.emissions_g,
             "seconds_by_state": dict(self.ledger.seconds),
             "first_step_s": self.first_step_s,
+            "first_round_s": self.first_round_s,
+            "reachability": self.reachability,
+            "connections": self._connections(),
             "median_round_s": rounds[len(rounds) // 2] if rounds else None,
             "world_size": self.world.world_size,
         }
@@ -501,3 +527,8 @@ class SiteNode:
             if op == "stop":
                 return
             self._run_op(op, None)
+
+
+async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:
+    """Runs inside the DHT process (see :meth:`SiteNode._connections`)."""
+    return {str(peer.peer_id): [str(a) for a in peer.addrs] for peer in await node.p2p.list_peers()}
