@@ -11,13 +11,21 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from greenswarm.bootstrap.identity import load_or_create_identity
-from greenswarm.errors import ConfigError
+from greenswarm.bootstrap.relay_check import check_address, relay_carries
+from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.network import check_maddr, relay_service_options, start_dht, visible_peer_maddrs
 from greenswarm.node.progress import record_validators
 
+if TYPE_CHECKING:
+    from hivemind import DHT
+
 log = logging.getLogger("greenswarm.bootstrap")
+
+#: How many times the bootstrap restarts its p2p daemon until the relay check passes.
+RELAY_ATTEMPTS = 8
 
 
 @dataclass
@@ -54,9 +62,36 @@ class BootstrapPeer:
         if cfg.relay:
             # p2pd starts a second relay service with go-libp2p's defaults (128 KiB and 2 min per
             # connection) that races the configured one; with one Go thread the configured one
-            # registers first (docs/nat.md). An operator's own GOMAXPROCS wins.
+            # usually registers first (docs/nat.md). An operator's own GOMAXPROCS wins.
             os.environ.setdefault("GOMAXPROCS", "1")
-        self.dht = start_dht(
+        self.relay_check = "off" if not cfg.relay else "skipped: listening on loopback only"
+        for attempt in range(1, RELAY_ATTEMPTS + 1):
+            self.dht = self._start()
+            self.initial_peers = visible_peer_maddrs(self.dht)
+            if not cfg.relay or all("/127.0.0.1/" in m or "/::1/" in m for m in cfg.listen):
+                break
+            # ... so make sure: push a long stream through the relay, restart the daemon if it broke
+            ok, why = relay_carries(check_address(cfg.listen, self.initial_peers, self.peer_id))
+            self.relay_check = f"{'passed' if ok else 'failed'} (attempt {attempt}): {why}"
+            if ok:
+                log.info("relay check passed on attempt %d: %s", attempt, why)
+                break
+            log.warning(
+                "relay check failed (%s); restarting the p2p daemon, attempt %d of %d",
+                why,
+                attempt,
+                RELAY_ATTEMPTS,
+            )
+            self.dht.shutdown()
+        else:
+            raise SwarmError(
+                f"the relay service kept its default 128 KiB limit after {RELAY_ATTEMPTS} restarts ({why}); "
+                "run with --no-relay, or report this with the log"
+            )
+
+    def _start(self) -> DHT:
+        cfg = self.cfg
+        return start_dht(
             cfg.initial_peers,
             host_maddrs=cfg.listen,
             announce_maddrs=cfg.announce,
@@ -64,7 +99,6 @@ class BootstrapPeer:
             record_validators=record_validators(cfg.swarm),
             **(relay_service_options() if cfg.relay else {}),
         )
-        self.initial_peers = visible_peer_maddrs(self.dht)
 
     def wait(self) -> None:
         self._stopped.wait()
@@ -86,10 +120,20 @@ def serve(cfg: BootstrapConfig, as_json: bool = False) -> int:
     on_termination(peer.stop)
     try:
         if as_json:
-            print(json.dumps({"peer_id": peer.peer_id, "initial_peers": peer.initial_peers}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "peer_id": peer.peer_id,
+                        "initial_peers": peer.initial_peers,
+                        "relay_check": peer.relay_check,
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(f"bootstrap peer {peer.peer_id} is up (swarm '{cfg.swarm}'). Sites join with:", flush=True)
             print(f"  --initial-peers {' '.join(peer.initial_peers)}", flush=True)
+            print(f"relay for sites behind NAT: {peer.relay_check}", flush=True)
         peer.wait()
     finally:
         peer.shutdown()
