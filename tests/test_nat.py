@@ -93,6 +93,9 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
             name, "R", trace, peers, tmp_path / name,
             speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S, shard=i, shards=3,
             node={"keep_globals": 100},
+            # fp32 on the wire: every site then applies the very same average, so agreement can be
+            # checked tightly (with fp16 the sites drift apart by ~1e-4 per round; issue #5)
+            averaging={"wire": "fp32"},
         )  # fmt: skip
         cfg["swarm"]["host_maddrs"] = ["/ip4/0.0.0.0/tcp/0"]
         swarm.node(
@@ -128,7 +131,7 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
     numel = torch.load(next((tmp_path / "site0" / "globals").glob("outer-*.pt"))).numel()
     for site in sites:
         moved = after[site.ns]["rx"] - before[site.ns]["rx"]
-        assert moved > 3 * numel * 2 * (2 / 3), (site.ns, moved)
+        assert moved > 3 * numel * 4 * (2 / 3), (site.ns, moved)  # fp32: 4 bytes a value
     figures = {  # shown with pytest -s; quoted in docs/nat.md
         s["site"]: {
             "first_step_s": s["first_step_s"],
@@ -141,7 +144,7 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
         for s, site in zip(summaries, sites, strict=True)
     }
     print(json.dumps({"numel": numel, "sites": figures}, indent=1))
-    # after every round the three sites hold the same global parameters (fp16 wire tolerance)
+    # after every round the three sites hold the same global parameters
     kept: dict[str, dict[int, torch.Tensor]] = {}
     for i in range(3):
         for path in (tmp_path / f"site{i}" / "globals").glob("outer-*.pt"):
@@ -151,4 +154,4 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
     for step, by_site in shared.items():
         first, *rest = by_site.values()
         for other in rest:
-            assert torch.allclose(first, other, atol=5e-4, rtol=0), step
+            assert torch.allclose(first, other, atol=1e-5, rtol=0), (step, (first - other).abs().max())
