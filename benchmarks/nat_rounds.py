@@ -50,22 +50,36 @@ def probe(args: argparse.Namespace) -> None:
 
     t0 = time.monotonic()
     extra = {**relay_options([args.peer]), "client_mode": True} if args.relay else {}
-    host = "/ip4/0.0.0.0/tcp/0" if args.relay else "/ip4/127.0.0.1/tcp/0"
+    if args.role == "client":  # behind NAT, no relay: never accepts connections
+        extra = {"client_mode": True}
+    host = "/ip4/127.0.0.1/tcp/0" if args.role == "direct" and not args.relay else "/ip4/0.0.0.0/tcp/0"
     dht = start_dht([args.peer], host_maddrs=[host], **extra)
     joined = time.monotonic() - t0
     avg = DecentralizedAverager(
         [torch.full((args.numel,), float(args.index))],
         dht,
         prefix="natbench",
-        target_group_size=args.n,
-        min_group_size=args.n,
+        target_group_size=args.n + (args.role != "direct"),
+        min_group_size=args.n + (args.role != "direct"),
         min_matchmaking_time=1.0,
         request_timeout=0.5,
         allreduce_timeout=120,
         compression=Float16Compression(),
-        client_mode=False,
+        client_mode=args.role == "client",
+        auxiliary=args.role == "aux",
         start=True,
     )
+    if args.role == "aux":  # the helper on the hub: joins every round, contributes nothing
+        for r in range(args.rounds):
+            time.sleep(max(0.0, args.start_at + r * args.slot - time.time()))
+            try:
+                avg.step(timeout=args.slot * 0.9)
+            except Exception:
+                pass
+        print(json.dumps({"aux": True}), flush=True)
+        avg.shutdown()
+        dht.shutdown()
+        return
     rounds, first_done = [], None
     for r in range(args.rounds):
         time.sleep(max(0.0, args.start_at + r * args.slot - time.time()))
@@ -120,6 +134,8 @@ def _bootstrap(
 
 
 def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
+    """``kind``: loopback, hub (sites reached through the relay) or aux (client-mode sites and an
+    auxiliary averager on the hub)."""
     import signal
 
     from tests import netns
@@ -127,7 +143,7 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"natbench-{kind}-{n}-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
-    topo = netns.make_topology(n) if kind == "hub" else None
+    topo = netns.make_topology(n) if kind in ("hub", "aux") else None
     try:
         if topo is not None:
             if args.mbit:
@@ -138,12 +154,19 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
             boot, peer = _bootstrap([], "/ip4/127.0.0.1/tcp/0", [], tmp, env)
         procs.append(boot)
         start_at = time.time() + args.warmup
+        helper = None
+        if kind == "aux":
+            cmd = [*topo.exec_prefix(topo.hub), sys.executable, __file__, "--probe", "--peer", peer,
+                   "--n", str(n), "--role", "aux", "--rounds", str(args.rounds), "--numel", str(args.numel),
+                   "--slot", str(args.slot), "--start-at", str(start_at)]  # fmt: skip
+            helper = _start(cmd, tmp / "aux.log", env)
+        role = {"loopback": "direct", "hub": "direct", "aux": "client"}[kind]
         for i in range(n):
             prefix = topo.exec_prefix(topo.sites[i].ns) if topo else []
             cmd = [*prefix, sys.executable, __file__, "--probe", "--peer", peer, "--n", str(n),
                    "--index", str(i), "--rounds", str(args.rounds), "--numel", str(args.numel),
-                   "--slot", str(args.slot), "--start-at", str(start_at),
-                   *(["--relay"] if topo else [])]  # fmt: skip
+                   "--slot", str(args.slot), "--start-at", str(start_at), "--role", role,
+                   *(["--relay"] if kind == "hub" else [])]  # fmt: skip
             procs.append(_start(cmd, tmp / f"probe{i}.log", env))
         before = topo.hub_bytes() if topo else None
         results = []
@@ -156,6 +179,8 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
                 raise RuntimeError((tmp / f"probe{i}.log").read_text()[-3000:])
             results.append(json.loads(lines[-1]))
         after = topo.hub_bytes() if topo else None
+        if helper is not None:
+            procs.append(helper)
     finally:
         for proc in procs:
             try:
@@ -170,7 +195,9 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
         if topo is not None:
             topo.close()
     ok_rounds = [r for res in results for r in res["rounds"] if r["ok"]]
-    wire_one_way = 2 * (n - 1) / n * args.numel * 2  # bytes a site sends per round (fp16), and receives
+    # bytes a site sends per round (fp16), and receives: its parts to the others, then the averaged
+    # parts back; with the auxiliary helper every part goes to (and comes back from) the helper
+    wire_one_way = (1.0 if kind == "aux" else 2 * (n - 1) / n) * args.numel * 2
     out = {
         "kind": kind,
         "sites": n,
@@ -211,6 +238,8 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--role", default="direct", help=argparse.SUPPRESS)
+    parser.add_argument("--mechanisms", nargs="+", default=["hub"], help="hub (relay) and/or aux (helper)")
     parser.add_argument("--sites", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--numel", type=int, default=1_000_000)
@@ -223,7 +252,7 @@ def main() -> None:
         probe(args)
         return
     results = [run_config("loopback", 3, args)]
-    results += [run_config("hub", n, args) for n in args.sites]
+    results += [run_config(kind, n, args) for kind in args.mechanisms for n in args.sites]
     if args.json:
         print(json.dumps(results))
         return
