@@ -119,10 +119,6 @@ class SwarmConfig:
             raise ConfigError(
                 f"must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}", field="reachability"
             )
-        if self.reachability == "relay" and not self.initial_peers:
-            raise ConfigError(
-                "a site reached through a relay needs initial_peers to relay through", field="reachability"
-            )
 
 
 def _ips(maddrs: list[str]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
@@ -161,6 +157,13 @@ def resolve_reachability(cfg: SwarmConfig) -> tuple[str, str]:
     direct address that others cannot dial makes every averaging group fail. So ``auto`` goes
     direct only on evidence that others can dial this site.
     """
+    if cfg.reachability == "relay" and not cfg.initial_peers:
+        # checked here, not in validate(): --initial-peers may still supply them after the file loads
+        raise ConfigError(
+            "a site reached through a relay needs initial peers to relay through "
+            "(swarm.initial_peers or --initial-peers)",
+            field="swarm.reachability",
+        )
     if cfg.reachability != "auto":
         return cfg.reachability, f"swarm.reachability is {cfg.reachability}"
     if not cfg.initial_peers:
