@@ -83,6 +83,7 @@ class SiteNode:
         self.first_step_s: float | None = None
         self.first_round_s: float | None = None
         self.reachability = "direct"  # decided when the site joins the swarm
+        self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
         self._slot = -1
         self._last_log = 0.0
         self.peer_id = ""
@@ -235,6 +236,7 @@ class SiteNode:
             if self.first_round_s is None:
                 self.first_round_s = time.monotonic() - self.started
                 self.log.info("first averaging round completed %.1f s after start", self.first_round_s)
+            self.connections = self._connections()  # who this site exchanged the round with, and how
         return outcome
 
     def _catch_up(self, in_window_only: bool) -> bool:
@@ -455,12 +457,12 @@ class SiteNode:
     def _connections(self) -> dict[str, list[str]]:
         """The peers this site's p2p daemon is connected to now, with the addresses it uses for each:
         a site behind NAT shows ``/p2p-circuit`` addresses for every other site (it never dialled
-        one directly). Best effort: an empty dict if the daemon cannot be asked."""
+        one directly). Best effort and bounded: a diagnostic must never stall a round or a stop."""
         try:
-            return self.dht.run_coroutine(_list_connections, return_future=False)
-        except Exception as err:  # a diagnostic only; never fail the run's summary over it
+            return self.dht.run_coroutine(_list_connections, return_future=True).result(timeout=2.0)
+        except Exception as err:
             self.log.debug("cannot list connections: %r", err)
-            return {}
+            return self.connections
 
     def summary(self) -> dict[str, Any]:
         rounds = sorted(self.round_seconds)
@@ -481,7 +483,7 @@ class SiteNode:
             "first_step_s": self.first_step_s,
             "first_round_s": self.first_round_s,
             "reachability": self.reachability,
-            "connections": self._connections(),
+            "connections": self.connections,
             "median_round_s": rounds[len(rounds) // 2] if rounds else None,
             "world_size": self.world.world_size,
         }
