@@ -198,6 +198,11 @@ def relay_service_options() -> dict[str, Any]:
     return {"force_reachability": RELAY_SERVICE_MODE}
 
 
+#: Seconds to wait before each retry when no initial peer answered: a bootstrap that is restarting,
+#: or one flooded by many sites starting at once, answers a moment later.
+JOIN_RETRY_DELAYS_S = (1.0, 3.0)
+
+
 def start_dht(
     initial_peers: list[str],
     *,
@@ -208,33 +213,52 @@ def start_dht(
     record_validators: list[Any] | None = None,
     **kwargs: Any,
 ) -> DHT:
-    """Start a hivemind DHT; an unreachable swarm or a taken port becomes a one-line :class:`SwarmError`."""
+    """Start a hivemind DHT; an unreachable swarm or a taken port becomes a one-line :class:`SwarmError`.
+
+    When none of the initial peers answers, it tries again after each of :data:`JOIN_RETRY_DELAYS_S`
+    (logged) before giving up: a dial can fail transiently, and a site that gives up at once would
+    sit out its whole window.
+    """
+    import logging
+    import time
+
     from hivemind import DHT
     from hivemind.p2p import P2PDaemonError
 
     _register_p2pd_modes()
-    try:
-        return DHT(
-            initial_peers=initial_peers or None,
-            start=True,
-            host_maddrs=host_maddrs,
-            announce_maddrs=announce_maddrs or None,
-            identity_path=identity_path,
-            client_mode=client_mode,
-            record_validators=record_validators or [],
-            check_if_identity_free=False,  # hivemind's check reads RSA keys only; ours are Ed25519
-            **kwargs,
-        )
-    except P2PDaemonError as e:
-        text = str(e)
-        if "bootstrap" in text:
-            peers = ", ".join(initial_peers)
-            raise SwarmError(
-                f"cannot reach the swarm: none of the initial peers answered ({peers})"
-            ) from None
-        if "address already in use" in text:
-            raise SwarmError(f"cannot listen on {', '.join(host_maddrs)}: address already in use") from None
-        raise SwarmError(f"cannot start the p2p daemon: {text}") from None
+    delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
+    while True:
+        try:
+            return DHT(
+                initial_peers=initial_peers or None,
+                start=True,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce_maddrs or None,
+                identity_path=identity_path,
+                client_mode=client_mode,
+                record_validators=record_validators or [],
+                check_if_identity_free=False,  # hivemind's check reads RSA keys only; ours are Ed25519
+                **kwargs,
+            )
+        except P2PDaemonError as e:
+            text = str(e)
+            if "bootstrap" in text and delays:
+                delay = delays.pop(0)
+                logging.getLogger("greenswarm.network").warning(
+                    "no initial peer answered; trying again in %g s", delay
+                )
+                time.sleep(delay)
+                continue
+            if "bootstrap" in text:
+                peers = ", ".join(initial_peers)
+                raise SwarmError(
+                    f"cannot reach the swarm: none of the initial peers answered ({peers})"
+                ) from None
+            if "address already in use" in text:
+                raise SwarmError(
+                    f"cannot listen on {', '.join(host_maddrs)}: address already in use"
+                ) from None
+            raise SwarmError(f"cannot start the p2p daemon: {text}") from None
 
 
 def visible_peer_maddrs(dht: DHT) -> list[str]:

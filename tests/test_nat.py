@@ -104,11 +104,23 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
 
     # mid-run, `greenswarm progress` from inside a NAT'ed site lists every site
     time.sleep(max(0.0, start_wall + (TRACE_MIN / 2) * 60 / SPEEDUP - time.time()))
-    listed = swarm.run_in(
-        topology.exec_prefix(sites[0].ns), "progress", "--initial-peers", *peers, "--swarm", "test", "--json"
-    )
-    assert listed.returncode == 0, listed.stderr
-    assert sorted(r["site"] for r in json.loads(listed.stdout)) == ["site0", "site1", "site2"]
+    names: list[str] = []
+    for _ in range(3):  # a record can lapse for a moment when three sites share two cores
+        listed = swarm.run_in(
+            topology.exec_prefix(sites[0].ns),
+            "progress",
+            "--initial-peers",
+            *peers,
+            "--swarm",
+            "test",
+            "--json",
+        )
+        assert listed.returncode == 0, listed.stderr
+        names = sorted(r["site"] for r in json.loads(listed.stdout))
+        if names == ["site0", "site1", "site2"]:
+            break
+        time.sleep(2)
+    assert names == ["site0", "site1", "site2"], [swarm.log(f"site{i}")[-500:] for i in range(3)]
 
     for i in range(3):
         assert swarm.wait(f"site{i}", timeout=STARTUP_S + TRACE_MIN * 60 / SPEEDUP + 120) == 0, swarm.log(
