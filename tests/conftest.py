@@ -125,15 +125,7 @@ class Swarm:
 
     def run(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
         """Run a short greenswarm command to completion (e.g. ``progress --json``)."""
-        return subprocess.run(
-            [sys.executable, "-m", "greenswarm", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=self.env,
-            cwd=self.tmp,
-            start_new_session=True,
-        )
+        return self.run_in([], *args, timeout=timeout)
 
     def run_in(self, prefix: list[str], *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
         """Like :meth:`run`, inside another context (``prefix``: e.g. ``ip netns exec NS``)."""

@@ -118,14 +118,9 @@ def print_windows(report: dict[str, Any]) -> None:
 
 def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Path) -> Path:
     """Write a PNG: the region's intensity, the threshold line and the windows shaded, on UTC time."""
-    import logging
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(max(logging.getLogger().level, logging.WARNING))
     import matplotlib.dates as mdates
-    import matplotlib.pyplot as plt
+
+    plt = pyplot()
     import numpy as np
 
     series = trace.series(region)
@@ -168,13 +163,31 @@ def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Pa
             f"{region}: {describe_policy(policy)}; {len(windows)} window{plural}, {share:.1%} in window"
         )
         ax.legend(loc="best")
-        try:
-            fig.savefig(out, dpi=110)
-        except OSError as err:
-            raise GreenswarmError(f"{out}: cannot write plot ({err.strerror or err})") from None
+        save_figure(fig, out)
     finally:
         plt.close(fig)
     return out
+
+
+def pyplot():  # noqa: ANN201 - matplotlib.pyplot, imported late: plotting is optional work
+    """matplotlib's pyplot on the file-only Agg backend, its chatter kept below warnings."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(max(logging.getLogger().level, logging.WARNING))
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out: Path) -> None:
+    """Write ``fig`` as a PNG; an unwritable path is one clear line, not a traceback."""
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as err:
+        raise GreenswarmError(f"{out}: cannot write plot ({err.strerror or err})") from None
 
 
 def run_windows(

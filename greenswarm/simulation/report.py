@@ -292,16 +292,11 @@ def plot_simulation(sim: Simulation, path: str) -> str:
     """A PNG of cumulative emissions over the run, like the anchor's figure: this run, the ideal and
     perfect foresight (left), and each region's continuous single-site baseline at equal work (right,
     on a log scale so that kilograms and grams share one axis)."""
-    import logging
     from pathlib import Path
 
-    import matplotlib
+    from greenswarm.scheduler.windows_report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(max(logging.getLogger().level, logging.WARNING))
-    import matplotlib.pyplot as plt
-
-    from greenswarm.errors import GreenswarmError
+    plt = pyplot()
 
     rep = sim.report
     hours_equal = rep["site_hours"]
@@ -335,10 +330,7 @@ def plot_simulation(sim: Simulation, path: str) -> str:
         ax.set_title(f"{rep['site_hours']:.2f} site-hours over {', '.join(rep['regions'])}")
         bx.set_title("against single-site baselines at equal work")
         out = Path(path).expanduser()
-        try:
-            fig.savefig(out, dpi=110)
-        except OSError as err:
-            raise GreenswarmError(f"{out}: cannot write plot ({err.strerror or err})") from None
+        save_figure(fig, out)
     finally:
         plt.close(fig)
     return str(out)
