@@ -72,7 +72,9 @@ class Swarm:
         self.logs: dict[str, Path] = {}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
-    def command(self, name: str, *args: str, prefix: list[str] | None = None) -> subprocess.Popen:
+    def command(
+        self, name: str, *args: str, prefix: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
         self.logs[name] = log
         cmd = (prefix or [sys.executable, "-m", "greenswarm"]) + list(args)
@@ -81,7 +83,7 @@ class Swarm:
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # noqa: SIM115
-            env=self.env,
+            env={**self.env, **(env or {})},
             cwd=self.tmp,
         )
         self.procs[name] = proc
@@ -116,12 +118,20 @@ class Swarm:
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
 
-    def node(self, name: str, config: Path, *extra: str, prefix: list[str] | None = None) -> subprocess.Popen:
+    def node(
+        self,
+        name: str,
+        config: Path,
+        *extra: str,
+        prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
+        """Start a site node; ``env`` adds variables (e.g. ``GREENSWARM_FAULTS``) for this one."""
         if prefix:
             return self.command(
-                name, "-m", "greenswarm", "node", "--config", str(config), *extra, prefix=prefix
+                name, "-m", "greenswarm", "node", "--config", str(config), *extra, prefix=prefix, env=env
             )
-        return self.command(name, "node", "--config", str(config), *extra)
+        return self.command(name, "node", "--config", str(config), *extra, env=env)
 
     def run(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
         """Run a short greenswarm command to completion (e.g. ``progress --json``)."""

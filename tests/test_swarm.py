@@ -74,7 +74,10 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
             shards=3,
             node={"keep_globals": 100},
         )
-        swarm.node(name, swarm.write_config(name, cfg))
+        # EAST's first round is a three-site round: its result is corrupted there (as a lost part
+        # would), so the group's digest check must make it resynchronize from the other two
+        faults = {"GREENSWARM_FAULTS": "corrupt-result@1"} if region == "EAST" else None
+        swarm.node(name, swarm.write_config(name, cfg), env=faults)
         sites[name] = region
 
     # in the middle of the three-site period, `greenswarm progress --json` lists all three, with the
@@ -111,9 +114,16 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         assert summary["loss"] < 4.5, summary
         assert summary["energy_kwh"] > 0 and summary["emissions_g"] > 0
 
-    # right after a round, the sites of that round hold the same global parameters, within the fp16
-    # wire's tolerance: each site receives the average as its own value plus an fp16-coded correction,
-    # and the outer momentum carries those ~1e-7 differences along (measured: ~1e-4 after 4 rounds)
+    # the corrupted site noticed and took the majority's state, and the others never counted it
+    east = summaries["site-east"]
+    assert east["resyncs"] == 1, east
+    assert "resynchronizing from" in swarm.log("site-east") and "fault injected: corrupt-result" in swarm.log(
+        "site-east"
+    )
+    assert all(summaries[n]["resyncs"] == 0 for n in sites if n != "site-east")
+
+    # after every round, the sites of that round hold the same global parameters, bit for bit: the
+    # all-reduce is exact and the group's digests agreed before anyone applied the step
     kept: dict[str, dict[str, torch.Tensor]] = {}
     for name in sites:
         for path in (tmp_path / name / "globals").glob("outer-*.pt"):
@@ -124,4 +134,4 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
     for step, by_site in shared.items():
         first, *rest = by_site.values()
         for other in rest:
-            assert torch.allclose(first, other, atol=5e-4, rtol=0), step
+            assert torch.equal(first, other), step

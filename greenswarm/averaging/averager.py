@@ -10,6 +10,9 @@ What it adds to hivemind, and why:
 * the state it serves to newcomers is the site's global view (parameters + outer momentum + lineage),
   provided by the node under its lock, and a newcomer downloads it from a *chosen* peer (the swarm's
   head), not from whichever peer hivemind's priority list names first;
+* the all-reduce is :class:`~greenswarm.averaging.exact.ExactAllReduceRunner`: every member ends with
+  the same bits (so a digest can prove agreement), and a part that was not averaged fails the round
+  instead of leaving local values in a slice of the result;
 * every timeout is set (hivemind's all-reduce defaults wait forever), and every failure comes back as
   a :class:`RoundOutcome` with a reason instead of an exception or a silent partial result.
 """
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -34,11 +38,12 @@ from hivemind.compression import (
 )
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from greenswarm.averaging.config import AveragingConfig
+from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
 
 log = logging.getLogger(__name__)
@@ -163,6 +168,32 @@ class SwarmAverager(DecentralizedAverager):
             future.set_result(None)
         except Exception as e:
             future.set_exception(e)
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        """Runs in the averager process: hivemind's hook for one all-reduce, with the exact runner; the
+        tensors are *replaced* by the group's average (hivemind adds a difference to them)."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)  # lets groupmates' part requests reach it
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("an auxiliary peer must not receive averaged tensors")
+            return
+        averaged = [tensor async for tensor in runner]  # all or nothing: run() raises on a failed part
+        for tensor, average in zip(tensors, averaged, strict=True):
+            tensor.copy_(average)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
 
     # ---- downloading state from a chosen peer ----
 

@@ -18,6 +18,7 @@ LOOPBACK_TIMEOUTS = {
     "allreduce_timeout_s": 20.0,
     "chunk_timeout_s": 5.0,
     "state_timeout_s": 20.0,
+    "agreement_timeout_s": 5.0,
 }
 
 
@@ -37,6 +38,9 @@ class AveragingConfig:
     ``diloco`` applies Nesterov SGD (``outer_lr`` 0.7, ``outer_momentum`` 0.9) to the averaged
     pseudo-gradient; ``fedavg`` replaces the global model with the weighted average of local ones.
     Timeouts are wall seconds and always set: hivemind's defaults wait forever.
+    ``agreement_timeout_s`` bounds the wait for the group's round digests after an all-reduce (and a
+    dissenting site's wait for the majority's state); a member that has not answered by then counts
+    as disagreeing.
     """
 
     sync_interval_s: float = 600.0
@@ -50,6 +54,7 @@ class AveragingConfig:
     allreduce_timeout_s: float = 60.0
     chunk_timeout_s: float = 10.0
     state_timeout_s: float = 60.0
+    agreement_timeout_s: float = 15.0
     max_group_size: int = 64
 
     def validate(self) -> None:
@@ -71,6 +76,7 @@ class AveragingConfig:
             "allreduce_timeout_s",
             "chunk_timeout_s",
             "state_timeout_s",
+            "agreement_timeout_s",
         ):
             _positive(getattr(self, name), name)
         if self.request_timeout_s >= self.matchmaking_s:

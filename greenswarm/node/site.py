@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -20,10 +21,12 @@ from typing import Any
 
 import torch
 
+from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_digest
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
 from greenswarm.bootstrap.identity import load_or_create_identity
 from greenswarm.errors import ConfigError
+from greenswarm.faults import FaultPlan
 from greenswarm.network import relay_options, resolve_reachability, start_dht
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
@@ -78,8 +81,15 @@ class SiteNode:
         self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
         self.local_steps = self.tokens = self.tokens_since_sync = 0
         self.loss: float | None = None
-        self.counts = {"federated_rounds": 0, "solo_rounds": 0, "failed_rounds": 0, "catch_ups": 0}
+        self.counts = {
+            "federated_rounds": 0,
+            "solo_rounds": 0,
+            "failed_rounds": 0,
+            "catch_ups": 0,
+            "resyncs": 0,
+        }
         self.round_seconds: list[float] = []
+        self.agreement_seconds: list[float] = []  # digest + exchange + decision, per averaged round
         self.first_step_s: float | None = None
         self.first_round_s: float | None = None
         self.reachability = "direct"  # decided when the site joins the swarm
@@ -90,7 +100,8 @@ class SiteNode:
 
         self.checkpointer = Checkpointer(Path(cfg.node.run_dir))
         self.outer: OuterOptimizer | None = None
-        self.dht = self.averager = self.view = self.publisher = None
+        self.dht = self.averager = self.view = self.publisher = self.digests = None
+        self.faults = FaultPlan.from_env()
 
     # ------------------------------------------------------------------ public
 
@@ -174,12 +185,17 @@ class SiteNode:
         delta = self.outer.pseudo_gradient(local)
         if state is FEDERATED:
             outcome = self._average(delta)
-            if not outcome.ok:
+            verdict = self._agree(outcome, delta) if outcome.ok else None
+            if verdict is not None and verdict.action == "resync":
+                self._resync(outcome.members, verdict)
+                return
+            if verdict is None or verdict.action != "apply":
                 self.counts["failed_rounds"] += 1
                 self.log.warning(
-                    "round %d: averaging failed (%s); keeping local progress, retrying next round",
+                    "round %d: %s (%s); keeping local progress, retrying next round",
                     self._slot,
-                    outcome.reason,
+                    "averaging failed" if verdict is None else "the group did not agree on the result",
+                    outcome.reason if verdict is None else verdict.reason,
                 )
                 return
             averaged, members = outcome.averaged, outcome.members
@@ -194,12 +210,17 @@ class SiteNode:
         self.tokens_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
         self.log.info(
-            "round %d: outer step %d %s, loss %.3f",
+            "round %d: outer step %d %s, loss %.3f, global digest %s",
             self._slot,
             self.outer_round,
             f"averaged with {len(members) - 1} site(s)" if len(members) > 1 else "alone",
             self.loss or float("nan"),
+            self.outer.digest(),
         )
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """What follows every change of the global model: checkpoint, kept copy, record, fresh view."""
         self._save_checkpoint()
         self._keep_global()
         self._report(force=True)
@@ -239,6 +260,72 @@ class SiteNode:
             self.connections = self._connections()  # who this site exchanged the round with, and how
         return outcome
 
+    def _agree(self, outcome: RoundOutcome, delta: torch.Tensor) -> Verdict:
+        """Prove with the group that every member is about to apply the same step (see
+        :mod:`greenswarm.averaging.agreement`)."""
+        averaged = outcome.averaged
+        if self.faults.fires("corrupt-result"):
+            n = max(1, averaged.numel() // 10)
+            averaged[:n] = delta[:n]  # as if the part reduced elsewhere had been lost
+            self.log.warning("fault injected: corrupt-result (first %d values not averaged)", n)
+        started = time.monotonic()
+        with self._state_lock:
+            digest = state_digest([*self.outer.state_tensors(), averaged])
+        publish = not self.faults.fires("withhold-digest")
+        if not publish:
+            self.log.warning("fault injected: withhold-digest (this site's digest is not published)")
+        published = self.digests.exchange(
+            self._slot,
+            self.lineage,
+            outcome.members,
+            digest,
+            timeout_s=self.cfg.averaging.agreement_timeout_s,
+            publish=publish,
+        )
+        verdict = decide(self.peer_id, digest, published, outcome.members)
+        self.agreement_seconds.append(time.monotonic() - started)
+        self.log.debug(
+            "round %d: %s after %.2f s of digest exchange (%s)",
+            self._slot,
+            verdict.action,
+            time.monotonic() - started,
+            verdict.reason,
+        )
+        return verdict
+
+    def _resync(self, members: list[str], verdict: Verdict) -> bool:
+        """This site's round result disagreed with the majority: take the majority's state after their
+        step (this site's pseudo-gradient is already in it, so local progress is not kept)."""
+        expected = next_lineage(self.lineage, self._slot, members)
+        self.log.warning("round %d: %s; resynchronizing from %s", self._slot, verdict.reason, verdict.holders)
+        deadline = time.monotonic() + self.cfg.averaging.agreement_timeout_s
+        while not self._stop.is_set():
+            got = self.averager.download_state(verdict.holders)
+            if (
+                got is not None
+                and got[0].get("lineage") == expected
+                and self._adopt(*got, keep_pending=False)
+            ):
+                self.counts["resyncs"] += 1
+                self.tokens_since_sync = 0
+                self.log.info(
+                    "round %d: resynchronized to outer step %d, global digest %s",
+                    self._slot,
+                    self.outer_round,
+                    self.outer.digest(),
+                )
+                self._after_step()
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)  # the majority may not have applied its step yet
+        self.counts["failed_rounds"] += 1
+        self.log.warning(
+            "round %d: could not get the majority's state; keeping local progress, catching up later",
+            self._slot,
+        )
+        return False
+
     def _catch_up(self, in_window_only: bool) -> bool:
         """If a live site holds a more advanced global state, download it and rebase local progress."""
         head = self.view.head(in_window_only=in_window_only)
@@ -254,25 +341,30 @@ class SiteNode:
                 "could not download the state of round %d from %s; training on", head.outer_round, head.site
             )
             return False
-        meta, tensors = got
-        if len(tensors) != 2 or any(t.numel() != self.outer.numel for t in tensors):
-            self.log.warning("%s served a state of the wrong shape; ignoring it", head.site)
+        if not self._adopt(*got, keep_pending=True):
             return False
-        local = self._collective("gather")
-        pending = self.outer.pseudo_gradient(local)  # this site's progress since its last outer step
-        with self._state_lock:
-            self.outer.load_state_tensors(tensors)
-            self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
-            self.round_index = int(meta["round_index"])
-        self._collective("load", self.outer.params - pending)
         self.counts["catch_ups"] += 1
         self.log.info(
             "caught up with %s: global state of outer step %d in %.2f s; local progress kept",
-            meta.get("site", head.site),
+            got[0].get("site", head.site),
             self.outer_round,
             time.monotonic() - started,
         )
         self._report(force=True)
+        return True
+
+    def _adopt(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep_pending: bool) -> bool:
+        """Make a downloaded global state this site's; keep the local progress made since this site's
+        last outer step on top of it only when ``keep_pending`` (it is not yet in that state)."""
+        if len(tensors) != 2 or any(t.numel() != self.outer.numel for t in tensors):
+            self.log.warning("%s served a state of the wrong shape; ignoring it", meta.get("site", "a peer"))
+            return False
+        pending = self.outer.pseudo_gradient(self._collective("gather")) if keep_pending else None
+        with self._state_lock:
+            self.outer.load_state_tensors(tensors)
+            self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
+            self.round_index = int(meta["round_index"])
+        self._collective("load", self.outer.params if pending is None else self.outer.params - pending)
         return True
 
     # ------------------------------------------------------------------ components and helpers
@@ -311,6 +403,7 @@ class SiteNode:
             self.dht, f"{cfg.swarm.name}-avg", self.outer.numel, cfg.averaging, self._served_state
         )
         self.view = SwarmView(self.dht, cfg.swarm.name, self.peer_id, cfg.node.swarm_poll_s)
+        self.digests = DigestBoard(self.dht, cfg.swarm.name, self.peer_id)
         self.publisher = ProgressPublisher(
             self.dht, cfg.swarm.name, validators, cfg.node.progress_refresh_s, cfg.node.progress_ttl_s
         )
@@ -485,6 +578,9 @@ class SiteNode:
             "reachability": self.reachability,
             "connections": self.connections,
             "median_round_s": rounds[len(rounds) // 2] if rounds else None,
+            "median_agreement_s": statistics.median(self.agreement_seconds)
+            if self.agreement_seconds
+            else None,
             "world_size": self.world.world_size,
         }
 

@@ -1,0 +1,94 @@
+"""An all-reduce after which every member of the group holds the same bits, or the round fails.
+
+hivemind's :class:`~hivemind.averaging.allreduce.AllReduceRunner` returns *differences*: the reducer
+of a part sends ``average - sender's part`` through the wire codec, and each sender adds that to its
+own values. Two things follow, and both make sites drift apart silently:
+
+* the result is ``own + codec(average - own)``, which differs from site to site in the last bits
+  (fp16 rounding of the correction, and float addition not undoing subtraction exactly);
+* when a reducer fails, hivemind registers a zero difference for its parts and finishes normally, so
+  every survivor keeps *its own* values in that slice and reports success.
+
+:class:`ExactAllReduceRunner` changes the protocol on both ends, inside the same hivemind messages:
+
+* a reducer sends back the average itself, encoded with this averager's wire codec, and keeps for
+  its own part the same encode-decode round trip of it, so every member decodes identical bytes;
+* a part whose reducer failed is a failed round: the runner raises after the parts are in, instead of
+  handing back a vector that mixes averaged and local slices.
+
+Every peer of a swarm must run this runner (they do: it is what :class:`SwarmAverager` uses); a peer
+running plain hivemind would add the average to its values as if it were a difference, so the group
+digest check (:mod:`greenswarm.averaging.agreement`) would expose it as disagreeing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.proto import averaging_pb2
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose output is the group's average, bit-identical on every member."""
+
+    def __init__(self, *, compression: CompressionBase, **kwargs):
+        super().__init__(compression=compression, **kwargs)
+        self._codec = compression
+        # outputs are averages, so a failed reducer's slice would be filled with local values (not
+        # zero differences); run() turns any such slice into a failure of the whole round
+        self.tensor_part_container.return_deltas = False
+
+    def _encode(self, averaged: torch.Tensor):
+        return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged), allow_inplace=False)
+
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        """Yield the averaged tensors; raise if any part of them is not the group's average."""
+        outputs = [tensor async for tensor in super().run()]
+        failed = self.tensor_part_container.failed_size
+        if failed:
+            total = self.tensor_part_container.total_size
+            raise AllreduceException(f"{failed} of {total} values were not averaged (a reducer failed)")
+        for tensor in outputs:
+            yield tensor
+
+    async def _communicate_with_peer(self, peer_id) -> None:
+        if peer_id != self.peer_id:
+            # the remote branch of hivemind's method registers what the reducer sends as is: with
+            # this protocol that is the encoded average, decoded -- exactly what we want
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            # keep what the other members will decode, not the unrounded average
+            same_as_peers = await loop.run_in_executor(
+                None, lambda a=averaged: deserialize_torch_tensor(self._encode(a))
+            )
+            self.tensor_part_container.register_processed_part(peer_index, part_index, same_as_peers)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for message in stream:
+                part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=message.weight
+                    )
+                    part_index += 1
+                except BannedException:  # the sender was banned meanwhile: it no longer gets results
+                    break
+                encoded = await loop.run_in_executor(None, self._encode, averaged)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
