@@ -1,8 +1,9 @@
 """Averaging rounds through the bootstrap's relay (NAT'ed sites in network namespaces) vs loopback.
 
 For each configuration, N probe processes join a swarm and run ``--rounds`` all-reduce rounds of a
-``--numel``-value vector with the fp16 wire codec (hivemind's ``DecentralizedAverager``, the same
-all-reduce a site node runs), one round per ``--slot`` seconds:
+``--numel``-value vector, one round per ``--slot`` seconds, through greenswarm's averager (the exact
+all-reduce a site node runs) in each of ``--wires`` (fp32, fp16, bf16, int8, int7-zstd, ...;
+``hivemind-fp16`` is hivemind's plain ``DecentralizedAverager``, which the ``aux`` mechanism uses):
 
 * ``loopback``: a bootstrap and N probes on 127.0.0.1, every probe dialled directly;
 * ``hub``: the NAT topology of tests/netns.py (needs root): the bootstrap in the hub namespace, each
@@ -19,6 +20,7 @@ all-reduce time to wire bytes / link rate. Medians over rounds; run several time
 machine. Requires root for the hub configurations.
 
     sudo python benchmarks/nat_rounds.py [--sites 2 3 4] [--rounds 6] [--numel 1000000] [--mbit 100] [--json]
+    sudo python benchmarks/nat_rounds.py --sites 3 --mbits 50 200 --wires fp32 bf16 int8 int7-zstd
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def probe(args: argparse.Namespace) -> None:
     host = "/ip4/127.0.0.1/tcp/0" if args.role == "direct" and not args.relay else "/ip4/0.0.0.0/tcp/0"
     dht = start_dht([args.peer], host_maddrs=[host], **extra)
     joined = time.monotonic() - t0
+    if args.role == "direct" and args.wire != "hivemind-fp16":
+        swarm_probe(args, dht, t0, joined)
+        return
     avg = DecentralizedAverager(
         [torch.full((args.numel,), float(args.index))],
         dht,
@@ -105,6 +110,51 @@ def probe(args: argparse.Namespace) -> None:
         json.dumps({"joined_s": joined, "first_round_s": first_done, "rounds": rounds, "value": value}),
         flush=True,
     )
+    avg.shutdown()
+    dht.shutdown()
+
+
+def swarm_probe(args: argparse.Namespace, dht, t0: float, joined: float) -> None:
+    """The rounds through greenswarm's averager (exact all-reduce, ``--wire`` format, pre-coding for
+    error feedback): what a site node runs. The vector is Gaussian (seeded per site), so entropy-coded
+    formats see realistic codes; the bytes a value really took are reported."""
+    import torch
+
+    from greenswarm.averaging.agreement import state_digest
+    from greenswarm.averaging.averager import SwarmAverager
+    from greenswarm.averaging.codecs import wire_format
+    from greenswarm.averaging.config import AveragingConfig
+
+    cfg = AveragingConfig(
+        wire=args.wire, matchmaking_s=2.0, request_timeout_s=1.0, allreduce_timeout_s=120.0,
+        chunk_timeout_s=30.0, max_group_size=args.n,
+    )  # fmt: skip
+    avg = SwarmAverager(dht, "natbench", args.numel, cfg, lambda: ({}, []))
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.index))
+    rounds, first_done = [], None
+    for r in range(args.rounds):
+        time.sleep(max(0.0, args.start_at + r * args.slot - time.time()))
+        began = time.monotonic()
+        outcome = avg.average(x, 1.0, r, "natbench", args.n, {})
+        ended = time.monotonic()
+        if outcome.ok and first_done is None:
+            first_done = ended - t0
+        allreduce_s = float(avg._allreduce[0]) if outcome.ok else None
+        rounds.append(
+            {
+                "ok": outcome.ok,
+                "round_s": ended - began,
+                "allreduce_s": allreduce_s,
+                "digest": state_digest([outcome.averaged]) if outcome.ok else None,
+                "reason": outcome.reason[:200],
+            }
+        )
+    bytes_per_value = wire_format(args.wire).encoded_bytes(x) / args.numel
+    print(
+        json.dumps({"joined_s": joined, "first_round_s": first_done, "rounds": rounds, "value": 0.0,
+                    "bytes_per_value": bytes_per_value}),
+        flush=True,
+    )  # fmt: skip
     avg.shutdown()
     dht.shutdown()
 
@@ -166,7 +216,7 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
             cmd = [*prefix, sys.executable, __file__, "--probe", "--peer", peer, "--n", str(n),
                    "--index", str(i), "--rounds", str(args.rounds), "--numel", str(args.numel),
                    "--slot", str(args.slot), "--start-at", str(start_at), "--role", role,
-                   *(["--relay"] if kind == "hub" else [])]  # fmt: skip
+                   "--wire", args.wire, *(["--relay"] if kind == "hub" else [])]  # fmt: skip
             procs.append(_start(cmd, tmp / f"probe{i}.log", env))
         before = topo.hub_bytes() if topo else None
         results = []
@@ -195,16 +245,25 @@ def run_config(kind: str, n: int, args: argparse.Namespace) -> dict:
         if topo is not None:
             topo.close()
     ok_rounds = [r for res in results for r in res["rounds"] if r["ok"]]
-    # bytes a site sends per round (fp16), and receives: its parts to the others, then the averaged
-    # parts back; with the auxiliary helper every part goes to (and comes back from) the helper
-    wire_one_way = (1.0 if kind == "aux" else 2 * (n - 1) / n) * args.numel * 2
+    # bytes a site sends per round, and receives: its parts to the others, then the averaged parts
+    # back; with the auxiliary helper every part goes to (and comes back from) the helper
+    per_value = statistics.median(res.get("bytes_per_value", 2.0) for res in results)
+    wire_one_way = (1.0 if kind == "aux" else 2 * (n - 1) / n) * args.numel * per_value
+    # every round that all sites completed must have given them the same bits
+    by_round = zip(*[res["rounds"] for res in results], strict=True)
+    digests = [{r.get("digest") for r in rs} for rs in by_round if all(r["ok"] for r in rs)]
+    values = {round(res["value"], 4) for res in results}  # hivemind-fp16 probes: the averaged value
     out = {
         "kind": kind,
+        "wire": args.wire,
         "sites": n,
         "rounds_ok": f"{len(ok_rounds)}/{n * args.rounds}",
-        "value": sorted({round(res["value"], 4) for res in results}),
+        "identical_results": all(len(d) == 1 for d in digests) and len(values) == 1,
+        "failures": sorted({r["reason"] for res in results for r in res["rounds"] if not r["ok"]}),
+        "bytes_per_value": per_value,
         "joined_s": statistics.median([res["joined_s"] for res in results]),
         "median_allreduce_s": statistics.median([r["allreduce_s"] for r in ok_rounds]) if ok_rounds else None,
+        "mbit": args.mbit,
         "median_round_s": statistics.median([r["round_s"] for r in ok_rounds]) if ok_rounds else None,
         "wire_bytes_per_site_per_round": wire_one_way,
     }
@@ -246,13 +305,29 @@ def main() -> None:
     parser.add_argument("--slot", type=float, default=6.0, help="seconds between round starts")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds for every probe to join")
     parser.add_argument("--mbit", type=float, default=100.0, help="hub link rate (0: unshaped)")
+    parser.add_argument(
+        "--wires", nargs="+", default=["fp16"],
+        help="greenswarm wire formats to compare (hivemind-fp16: hivemind's own averager, as before)",
+    )  # fmt: skip
+    parser.add_argument("--mbits", type=float, nargs="+", help="several hub link rates (overrides --mbit)")
+    parser.add_argument("--no-loopback", action="store_true", help="skip the loopback reference")
+    parser.add_argument("--wire", default="fp16", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.probe:
         probe(args)
         return
-    results = [run_config("loopback", 3, args)]
-    results += [run_config(kind, n, args) for kind in args.mechanisms for n in args.sites]
+    results = []
+    for mbit in args.mbits or [args.mbit]:
+        args.mbit = mbit
+        for wire in args.wires:
+            args.wire = wire
+            if not args.no_loopback:
+                results.append(run_config("loopback", 3, args))
+            for kind in args.mechanisms:
+                for n in args.sites:
+                    results.append(run_config(kind, n, args))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results))
         return

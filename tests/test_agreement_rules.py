@@ -9,6 +9,8 @@ from greenswarm.averaging.agreement import FAILED, decide, group_key, state_dige
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 
+pytestmark = pytest.mark.compression
+
 M = ["p1", "p2", "p3"]
 
 

@@ -92,7 +92,8 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
         cfg = site_config(
             name, "R", trace, peers, tmp_path / name,
             speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S, shard=i, shards=3,
-            node={"keep_globals": 100},  # the default fp16 wire: results are still bit-identical
+            node={"keep_globals": 100},
+            averaging={"wire": "fp16"},  # a fixed format, so the hub's byte count below is known
         )  # fmt: skip
         cfg["swarm"]["host_maddrs"] = ["/ip4/0.0.0.0/tcp/0"]
         swarm.node(

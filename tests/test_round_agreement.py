@@ -10,6 +10,7 @@ import torch
 
 from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_digest
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
+from greenswarm.averaging.codecs import wire_format
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS, AveragingConfig
 from greenswarm.network import start_dht
 
@@ -20,12 +21,15 @@ NUMEL = 300_007  # not a multiple of anything: parts of uneven size
 
 @pytest.fixture
 def averagers(request: pytest.FixtureRequest) -> Iterator[list[SwarmAverager]]:
-    wire = request.param
-    cfg = AveragingConfig(wire=wire, **LOOPBACK_TIMEOUTS)
+    """Three averagers on loopback; ``request.param`` is one wire format, or one per averager."""
+    wires = request.param if isinstance(request.param, tuple) else (request.param,) * 3
     first = start_dht([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = [str(a) for a in first.get_visible_maddrs()]
     dhts = [first] + [start_dht(peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-    made = [SwarmAverager(d, "exact-avg", NUMEL, cfg, lambda: ({}, [])) for d in dhts]
+    made = [
+        SwarmAverager(d, "exact-avg", NUMEL, AveragingConfig(wire=w, **LOOPBACK_TIMEOUTS), lambda: ({}, []))
+        for d, w in zip(dhts, wires, strict=True)
+    ]
     try:
         yield made
     finally:
@@ -49,8 +53,14 @@ def _round(averagers: list[SwarmAverager], deltas: list[torch.Tensor], weights: 
     return outcomes
 
 
-@pytest.mark.parametrize("averagers", ["fp32", "fp16", "scaled-fp16"], indirect=True)
+WIRES = ["fp32", "fp16", "scaled-fp16", "bf16", "int8", "int8-zstd", "int7-zstd", "auto"]
+
+
+@pytest.mark.compression
+@pytest.mark.parametrize("averagers", WIRES, indirect=True)
 def test_every_member_holds_the_same_bits(averagers: list[SwarmAverager]) -> None:
+    """A real 3-process round per wire format: identical results, close to the true weighted mean,
+    and a residual that is exactly what the format's coding left out of what each member sent."""
     gen = torch.Generator().manual_seed(0)
     weights = [1.0, 2.0, 5.0]
     for index in range(2):
@@ -59,10 +69,35 @@ def test_every_member_holds_the_same_bits(averagers: list[SwarmAverager]) -> Non
         assert all(o is not None and o.ok for o in outcomes), [o and o.reason for o in outcomes]
         results = [o.averaged for o in outcomes]
         assert len({state_digest([r]) for r in results}) == 1, "members hold different averages"
+        fmt = wire_format(outcomes[0].wire)
+        assert {o.wire for o in outcomes} == {fmt.name}
+        if averagers[0]._cfg.wire != "auto":
+            assert fmt.name == averagers[0]._cfg.wire
         expected = sum(w * d for w, d in zip(weights, deltas, strict=True)) / sum(weights)
-        tolerance = 0 if averagers[0]._cfg.wire == "fp32" else 2e-3 * expected.abs().max().item()
-        assert (results[0] - expected).abs().max().item() <= tolerance + 1e-6
+        scale = max(d.abs().max().item() for d in deltas)
+        # int formats: at most half a step of the sender's block, then half a step of the average's
+        steps = {"int8": 127, "int8-zstd": 127, "int7-zstd": 63}
+        bound = (
+            2 * scale / steps[fmt.name]
+            if fmt.name in steps
+            else (1e-6 if fmt.name == "fp32" else 1e-2 * scale)
+        )
+        assert (results[0] - expected).abs().max().item() <= bound
+        for outcome, delta in zip(outcomes, deltas, strict=True):
+            assert torch.allclose(outcome.residual + fmt.roundtrip(delta), delta, atol=1e-6)
         assert len(outcomes[0].members) == 3
+
+
+@pytest.mark.compression
+@pytest.mark.parametrize("averagers", [("int8", "fp16", "int8")], indirect=True)
+def test_members_with_different_wire_formats_refuse_the_round(averagers: list[SwarmAverager]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(NUMEL, generator=gen) for _ in range(3)]
+    outcomes = _round(averagers, deltas, [1.0, 1.0, 1.0], 0)
+    assert not any(o.ok for o in outcomes), [o.reason for o in outcomes]
+    assert all("refused a group: members use different wire formats" in o.reason for o in outcomes), [
+        o.reason for o in outcomes
+    ]
 
 
 @pytest.fixture

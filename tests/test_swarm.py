@@ -114,6 +114,12 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         assert summary["loss"] < 4.5, summary
         assert summary["energy_kwh"] > 0 and summary["emissions_g"] > 0
 
+    # wire formats: auto chose one per round (every averaged round has one), and records carry it
+    for name in sites:
+        assert sum(summaries[name]["wire_rounds"].values()) >= summaries[name]["federated_rounds"]
+        assert set(summaries[name]["wire_rounds"]) <= {"bf16", "int8", "int7-zstd"}, summaries[name]
+    assert all(r["wire"] in ("bf16", "int8", "int7-zstd", None) for r in listed)
+
     # the corrupted site noticed and took the majority's state, and the others never counted it
     east = summaries["site-east"]
     assert east["resyncs"] == 1, east

@@ -19,7 +19,10 @@ What it adds to hivemind, and why:
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
+import multiprocessing
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -29,34 +32,23 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    ScaledFloat16Compression,
-    deserialize_torch_tensor,
-)
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from greenswarm.averaging.codecs import wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
+from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 
 log = logging.getLogger(__name__)
 
 #: what a site serves to newcomers: (metadata, tensors)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
-
-
-def wire_codec(name: str) -> CompressionBase:
-    """hivemind codec for a wire format name (only codecs that work on numpy 2.x)."""
-    return {"fp32": NoCompression(), "fp16": Float16Compression(), "scaled-fp16": ScaledFloat16Compression()}[
-        name
-    ]
 
 
 @dataclass
@@ -69,6 +61,8 @@ class RoundOutcome:
     gathered: dict[str, Any] = field(default_factory=dict)
     averaged: torch.Tensor | None = None
     seconds: float = 0.0
+    wire: str = ""  # the wire format the group chose
+    residual: torch.Tensor | None = None  # what this site's coding left out of what it sent
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -85,6 +79,11 @@ class SwarmAverager(DecentralizedAverager):
     ):
         self._cfg = cfg
         self._state_provider = state_provider
+        # written by the averager process during a round, read here after it (shared before the fork)
+        self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
+        self._allreduce = torch.zeros(2, dtype=torch.float64).share_memory_()  # seconds, wire bytes
+        self._refusal = multiprocessing.Array(ctypes.c_char, 1024, lock=False)  # why a group was refused
+        self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
         super().__init__(
             [torch.zeros(numel, dtype=torch.float32)],
@@ -97,7 +96,7 @@ class SwarmAverager(DecentralizedAverager):
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             next_chunk_timeout=cfg.chunk_timeout_s,
-            compression=wire_codec(cfg.wire),
+            compression=wire_format("int8" if cfg.wire == "auto" else cfg.wire).compression,  # per round
             state_compression=NoCompression(),  # state must arrive bit-exact
             allow_state_sharing=not client_mode,
             client_mode=client_mode,
@@ -132,20 +131,26 @@ class SwarmAverager(DecentralizedAverager):
         )
         with self.get_tensors() as (buffer,):
             buffer.copy_(delta)
+        self._refusal.value = b""
+        offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
         try:
             result = self.step(
-                gather=gather,
+                gather={**gather, "wire_offer": offer},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
                 allow_retries=True,
             )
         except Exception as e:  # hivemind reports failures as several exception types
             return RoundOutcome(
-                False, reason=f"{type(e).__name__}: {e}".strip(": "), seconds=time.monotonic() - started
+                False,
+                reason=self._why(f"{type(e).__name__}: {e}".strip(": ")),
+                seconds=time.monotonic() - started,
             )
         if not result:
             return RoundOutcome(
-                False, reason="no group formed before the deadline", seconds=time.monotonic() - started
+                False,
+                reason=self._why("no group formed before the deadline"),
+                seconds=time.monotonic() - started,
             )
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
@@ -153,9 +158,24 @@ class SwarmAverager(DecentralizedAverager):
         if not torch.isfinite(averaged).all():
             return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=seconds)
         gathered = {str(peer): data for peer, data in result.items()}
+        wire = choose_wire(offers_of(list(gathered.items())), averaged.numel()).name  # as the group did
+        allreduce_s, wire_bytes = (float(v) for v in self._allreduce)
+        if allreduce_s > 0 and wire_bytes > 0:
+            self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
         return RoundOutcome(
-            True, members=sorted(gathered), gathered=gathered, averaged=averaged, seconds=seconds
+            True,
+            members=sorted(gathered),
+            gathered=gathered,
+            averaged=averaged,
+            seconds=seconds,
+            wire=wire,
+            residual=self._residual.clone(),
         )
+
+    def _why(self, reason: str) -> str:
+        """A failure's reason; a refused group (wire format mismatch) is the reason that matters."""
+        refusal = self._refusal.value.decode(errors="replace")
+        return f"refused a group: {refusal}" if refusal else reason
 
     async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
         """Runs in the averager process: set this round's group key and expected group size."""
@@ -175,6 +195,20 @@ class SwarmAverager(DecentralizedAverager):
         """Runs in the averager process: hivemind's hook for one all-reduce, with the exact runner; the
         tensors are *replaced* by the group's average (hivemind adds a difference to them)."""
         group_id = group_info.group_id if group_id is None else group_id
+        try:
+            fmt = choose_wire(self._gathered_offers(group_info), sum(t.numel() for t in tensors))
+        except WireMismatch as e:
+            log.error("refusing to average with this group: %s", e)
+            self._refusal.value = str(e).encode()[:1000]
+            raise
+        # error feedback needs the residual of exactly what goes on the wire: code the whole vector
+        # once here (hivemind's parts start on block boundaries, so coding them again changes nothing)
+        started = time.monotonic()  # coding is part of the round's cost
+        (flat,) = tensors
+        coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
+        torch.sub(flat, coded, out=self._residual)
+        flat.copy_(coded)
+        kwargs["compression"] = fmt.compression
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -190,10 +224,24 @@ class SwarmAverager(DecentralizedAverager):
                 raise ValueError("an auxiliary peer must not receive averaged tensors")
             return
         averaged = [tensor async for tensor in runner]  # all or nothing: run() raises on a failed part
+        n = len(group_info.peer_ids)
+        self._allreduce[0] = time.monotonic() - started
+        self._allreduce[1] = 2 * flat.numel() * fmt.nominal_bytes * (n - 1) / n
         for tensor, average in zip(tensors, averaged, strict=True):
             tensor.copy_(average)
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+    def _gathered_offers(self, group_info: Any) -> dict[str, Any]:
+        """Each member's wire offer from the metadata hivemind gathered for this group."""
+        users = []
+        for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            try:
+                _bandwidth, _mode, user_bytes = self.serializer.loads(blob)
+                users.append((str(peer), self.serializer.loads(user_bytes)))
+            except Exception:  # a member that gathered something else: choose_wire names it
+                users.append((str(peer), None))
+        return offers_of(users)
 
     # ---- downloading state from a chosen peer ----
 

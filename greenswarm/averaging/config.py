@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from greenswarm.errors import ConfigError
 
 OUTER_KINDS = ("diloco", "fedavg")
-#: wire codecs that work with hivemind 1.1.12 on numpy 2.x (its 8-bit codecs are broken there)
-WIRE_CODECS = ("fp32", "fp16", "scaled-fp16")
+#: wire formats (greenswarm.averaging.codecs), or "auto": chosen per round from the measured link
+WIRE_CODECS = ("auto", "fp32", "fp16", "scaled-fp16", "bf16", "int8", "int8-zstd", "int7-zstd")
 
 #: averaging timeouts for sites on one machine (the demo, tests): rounds that last a few wall seconds
 LOOPBACK_TIMEOUTS = {
@@ -37,6 +37,11 @@ class AveragingConfig:
     seconds since the Unix epoch) after it starts, so sites agree on round boundaries without talking.
     ``diloco`` applies Nesterov SGD (``outer_lr`` 0.7, ``outer_momentum`` 0.9) to the averaged
     pseudo-gradient; ``fedavg`` replaces the global model with the weighted average of local ones.
+    ``wire`` is the format pseudo-gradients travel in (docs/compression.md). ``auto`` lets each
+    group pick per round the most precise of ``bf16``, ``int8``, ``int7-zstd`` whose transfer fits
+    ``round_budget_s`` on the slowest member's measured link. All members of a group must configure
+    the same format (or ``auto``).
+    ``error_feedback`` carries what a round's coding left out into the next round's pseudo-gradient.
     Timeouts are wall seconds and always set: hivemind's defaults wait forever.
     ``agreement_timeout_s`` bounds the wait for the group's round digests after an all-reduce (and a
     dissenting site's wait for the majority's state); a member that has not answered by then counts
@@ -48,7 +53,9 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    wire: str = "fp16"
+    wire: str = "auto"
+    error_feedback: bool = True
+    round_budget_s: float = 30.0
     matchmaking_s: float = 5.0
     request_timeout_s: float = 2.0
     allreduce_timeout_s: float = 60.0
@@ -63,7 +70,7 @@ class AveragingConfig:
             raise ConfigError(f"must be one of {', '.join(OUTER_KINDS)}, got {self.outer!r}", field="outer")
         if self.wire not in WIRE_CODECS:
             raise ConfigError(
-                f"must be one of {', '.join(WIRE_CODECS)}, got {self.wire!r} (int8 comes with issue #5)",
+                f"must be one of {', '.join(WIRE_CODECS)}, got {self.wire!r}",
                 field="wire",
             )
         _positive(self.outer_lr, "outer_lr")
@@ -77,6 +84,7 @@ class AveragingConfig:
             "chunk_timeout_s",
             "state_timeout_s",
             "agreement_timeout_s",
+            "round_budget_s",
         ):
             _positive(getattr(self, name), name)
         if self.request_timeout_s >= self.matchmaking_s:
@@ -84,5 +92,7 @@ class AveragingConfig:
                 f"must be smaller than matchmaking_s ({self.matchmaking_s}) or matchmaking can deadlock",
                 field="request_timeout_s",
             )
+        if not isinstance(self.error_feedback, bool):
+            raise ConfigError(f"must be true or false, got {self.error_feedback!r}", field="error_feedback")
         if self.max_group_size < 2:
             raise ConfigError(f"must be >= 2, got {self.max_group_size}", field="max_group_size")

@@ -43,6 +43,20 @@ PRESETS: dict[str, Preset] = {
         ),
         "CPU-sized Llama (hidden 128, 4 layers) for tests and demos",
     ),
+    # ~99 M parameters with the byte tokenizer: the 100M-class model for codec and memory measurements.
+    "small": Preset(
+        "llama",
+        dict(
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            intermediate_size=2560,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        ),
+        "Llama with hidden 768, 12 layers (~99 M with the byte tokenizer)",
+    ),
     # GPT-2 medium's shape; dropout off, as in modern pretraining (and steps stay reproducible).
     "gpt2-medium": Preset(
         "gpt2",

@@ -41,6 +41,7 @@ class ProgressRecord:
     wall_time: float
     world_size: int = 1
     version: int = RECORD_VERSION
+    wire: str | None = None  # wire format of the last averaged round (auto picks one per round)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

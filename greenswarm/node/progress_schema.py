@@ -28,6 +28,7 @@ class RecordModel(pyd.BaseModel):
     wall_time: pyd.StrictFloat
     world_size: pyd.conint(strict=True, ge=1)  # type: ignore[valid-type]
     version: pyd.StrictInt
+    wire: Optional[pyd.StrictStr] = None  # noqa: UP045  (the last averaged round's wire format)
 
     class Config:
         extra = pyd.Extra.forbid

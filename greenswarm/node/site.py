@@ -90,6 +90,8 @@ class SiteNode:
         }
         self.round_seconds: list[float] = []
         self.agreement_seconds: list[float] = []  # digest + exchange + decision, per averaged round
+        self.wire = ""  # the wire format of the last averaged round
+        self.wire_rounds: dict[str, int] = {}  # averaged rounds by wire format
         self.first_step_s: float | None = None
         self.first_round_s: float | None = None
         self.reachability = "direct"  # decided when the site joins the swarm
@@ -187,7 +189,7 @@ class SiteNode:
             outcome = self._average(delta)
             verdict = self._agree(outcome, delta) if outcome.ok else None
             if verdict is not None and verdict.action == "resync":
-                self._resync(outcome.members, verdict)
+                self._resync(outcome, verdict)
                 return
             if verdict is None or verdict.action != "apply":
                 self.counts["failed_rounds"] += 1
@@ -199,6 +201,7 @@ class SiteNode:
                 )
                 return
             averaged, members = outcome.averaged, outcome.members
+            self._keep_residual(outcome)
         else:
             averaged, members = delta, [self.peer_id]
         with self._state_lock:
@@ -245,7 +248,7 @@ class SiteNode:
         if not partners:
             return RoundOutcome(False, reason="no other site is in a window any more")
         outcome = self.averager.average(
-            delta,
+            delta if self.feedback is None else delta + self.feedback,
             weight=self.tokens_since_sync,
             round_index=self._slot,
             lineage=self.lineage,
@@ -254,6 +257,8 @@ class SiteNode:
         )
         if outcome.ok:
             self.round_seconds.append(outcome.seconds)
+            self.wire = outcome.wire
+            self.wire_rounds[outcome.wire] = self.wire_rounds.get(outcome.wire, 0) + 1
             if self.first_round_s is None:
                 self.first_round_s = time.monotonic() - self.started
                 self.log.info("first averaging round completed %.1f s after start", self.first_round_s)
@@ -293,10 +298,15 @@ class SiteNode:
         )
         return verdict
 
-    def _resync(self, members: list[str], verdict: Verdict) -> bool:
+    def _keep_residual(self, outcome: RoundOutcome) -> None:
+        """The round's result is this site's now: carry what coding left out of it into the next."""
+        if self.feedback is not None and outcome.residual is not None:
+            self.feedback.copy_(outcome.residual)
+
+    def _resync(self, outcome: RoundOutcome, verdict: Verdict) -> bool:
         """This site's round result disagreed with the majority: take the majority's state after their
         step (this site's pseudo-gradient is already in it, so local progress is not kept)."""
-        expected = next_lineage(self.lineage, self._slot, members)
+        expected = next_lineage(self.lineage, self._slot, outcome.members)
         self.log.warning("round %d: %s; resynchronizing from %s", self._slot, verdict.reason, verdict.holders)
         deadline = time.monotonic() + self.cfg.averaging.agreement_timeout_s
         while not self._stop.is_set():
@@ -306,6 +316,7 @@ class SiteNode:
                 and got[0].get("lineage") == expected
                 and self._adopt(*got, keep_pending=False)
             ):
+                self._keep_residual(outcome)
                 self.counts["resyncs"] += 1
                 self.tokens_since_sync = 0
                 self.log.info(
@@ -378,6 +389,8 @@ class SiteNode:
             cfg.averaging.outer_momentum,
             cfg.averaging.nesterov,
         )
+        # error feedback: what coding left out of this site's last averaged pseudo-gradient
+        self.feedback = torch.zeros(self.outer.numel) if cfg.averaging.error_feedback else None
         self._resume()
         validators = record_validators(cfg.swarm.name)
         identity = cfg.swarm.identity
@@ -494,6 +507,7 @@ class SiteNode:
             clock_time=now,
             wall_time=time.time(),
             world_size=self.world.world_size,
+            wire=self.wire or None,
         )
 
     def _report(self, force: bool = False) -> None:
@@ -578,6 +592,8 @@ class SiteNode:
             "reachability": self.reachability,
             "connections": self.connections,
             "median_round_s": rounds[len(rounds) // 2] if rounds else None,
+            "wire_rounds": dict(self.wire_rounds),
+            "measured_mbit": self.averager.measured_mbit if self.averager else None,
             "median_agreement_s": statistics.median(self.agreement_seconds)
             if self.agreement_seconds
             else None,
