@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.checkpoint import MAGIC, Checkpointer
 
 
 def payload(step: int) -> dict[str, object]:
@@ -79,3 +79,26 @@ def test_save_leaves_no_tmp_file(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     assert names == ["checkpoint.prev.pt", "checkpoint.pt"]
     assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def test_a_flipped_byte_inside_tensor_data_is_detected(tmp_path: Path) -> None:
+    """torch.load would return damaged tensor values without complaint; the digest does not."""
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(1))
+    ckpt.save({"outer": [torch.arange(10_000, dtype=torch.float32)], "site": {"local_steps": 2}})
+    data = bytearray(ckpt.path.read_bytes())
+    at = data.find(torch.arange(10_000, dtype=torch.float32).numpy().tobytes()[4000:4016])
+    assert at > 0
+    data[at] ^= 0x01
+    ckpt.path.write_bytes(bytes(data))
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 1
+
+
+def test_header_digest_covers_the_whole_payload(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(3))
+    data = ckpt.path.read_bytes()
+    assert data.startswith(MAGIC)
+    ckpt.path.write_bytes(data + b"x")  # even appended bytes change the digest
+    assert ckpt.load() is None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from greenswarm.bootstrap.identity import load_or_create_identity
 
@@ -82,7 +83,9 @@ def no_daemon_left() -> Iterator[None]:
         pytest.fail(f"left running after the command exited: {', '.join(described)}")
 
 
-def greenswarm(*args: str, cwd: Path, timeout: float = TIMEOUT_S) -> Result:
+def greenswarm(
+    *args: str, cwd: Path, timeout: float = TIMEOUT_S, env: dict[str, str] | None = None
+) -> Result:
     """Run ``python -m greenswarm ARGS`` in its own session; kill the whole session on a timeout."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "greenswarm", *args],
@@ -91,7 +94,7 @@ def greenswarm(*args: str, cwd: Path, timeout: float = TIMEOUT_S) -> Result:
         text=True,
         cwd=cwd,
         start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
     _sessions.append(proc.pid)
     try:
@@ -186,6 +189,22 @@ def test_node_region_not_in_trace(tmp_path: Path) -> None:
     path = config(tmp_path, "name: ok\nregion: NOWHERE\n")
     result = greenswarm("node", "--config", str(path), cwd=tmp_path)
     assert_one_error_line(result, "node", "NOWHERE", BUILTIN_REGIONS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda is a valid choice here")
+def test_node_cuda_without_a_gpu(tmp_path: Path) -> None:
+    """``train.device: cuda`` on a machine without one names the field (not a torch traceback)."""
+    path = config(tmp_path, "name: ok\nregion: CAISO_NORTH\ntrain: {device: cuda}\n")
+    result = greenswarm("node", "--config", str(path), cwd=tmp_path)
+    assert_one_error_line(result, "node", str(path), "train.device", "no usable CUDA GPU")
+
+
+def test_node_unknown_fault_point(tmp_path: Path) -> None:
+    """A mistyped GREENSWARM_FAULTS (a test hook) is refused by name, before the node joins anything."""
+    result = greenswarm(
+        "node", "--config", str(config(tmp_path)), cwd=tmp_path, env={"GREENSWARM_FAULTS": "boom@1"}
+    )
+    assert_one_error_line(result, "node", "GREENSWARM_FAULTS", "unknown fault point 'boom'")
 
 
 def test_progress_garbage_initial_peers(tmp_path: Path) -> None:

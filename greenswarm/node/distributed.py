@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from greenswarm.errors import ConfigError
+
 
 @dataclass
 class World:
@@ -38,6 +40,17 @@ class World:
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+        if use_cuda and not torch.cuda.is_available():
+            raise ConfigError(
+                "is 'cuda' but this machine has no usable CUDA GPU (or torch is a CPU build); "
+                "use 'auto' or 'cpu'",
+                field="train.device",
+            )
+        if use_cuda and local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) are visible",
+                field="train.device",
+            )
         if use_cuda:
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
