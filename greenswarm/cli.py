@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from greenswarm import __version__
-from greenswarm.errors import GreenswarmError
+from greenswarm.errors import ConfigError, GreenswarmError
 
 EPILOG = """\
 a swarm across sites:
@@ -314,18 +314,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.bootstrap.peer import BootstrapConfig, serve
         from greenswarm.configuration import config_from_dict
 
-        cfg = config_from_dict(
-            BootstrapConfig,
-            {
-                "identity": args.identity,
-                "listen": args.listen,
-                "announce": args.announce,
-                "swarm": args.swarm,
-                "initial_peers": args.initial_peers,
-                "relay": not args.no_relay,
-            },
-            source="arguments",
-        )
+        try:
+            cfg = config_from_dict(
+                BootstrapConfig,
+                {
+                    "identity": args.identity,
+                    "listen": args.listen,
+                    "announce": args.announce,
+                    "swarm": args.swarm,
+                    "initial_peers": args.initial_peers,
+                    "relay": not args.no_relay,
+                },
+                source="arguments",
+            )
+        except ConfigError as e:  # every field is a flag here: name the flag the user typed
+            flag = f"--{e.field.replace('_', '-')}" if e.field else None
+            raise ConfigError(e.message, field=flag) from None
         return serve(cfg, as_json=args.json)
     if args.command == "node":
         from greenswarm.node.runner import run_node
