@@ -90,15 +90,22 @@ class Swarm:
         SESSIONS.add(proc.pid)  # start_new_session: the child's pid is its session id
         return proc
 
-    def bootstrap(self, name: str = "bootstrap", swarm: str = "test") -> list[str]:
-        """Start a bootstrap peer and return its --initial-peers multiaddrs."""
+    def bootstrap(
+        self,
+        name: str = "bootstrap",
+        swarm: str = "test",
+        listen: str = "/ip4/127.0.0.1/tcp/0",
+        key: str = "",
+    ) -> list[str]:
+        """Start a bootstrap peer and return its --initial-peers multiaddrs (``key``: identity file
+        name, default ``<name>.key``; reuse one with a fixed ``listen`` to restart the same peer)."""
         self.command(
             name,
             "bootstrap",
             "--listen",
-            "/ip4/127.0.0.1/tcp/0",
+            listen,
             "--identity",
-            str(self.tmp / f"{name}.key"),
+            str(self.tmp / (key or f"{name}.key")),
             "--swarm",
             swarm,
             "--json",

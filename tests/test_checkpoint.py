@@ -6,11 +6,17 @@ from pathlib import Path
 
 import torch
 
-from greenswarm.node.checkpoint import MAGIC, Checkpointer
+from greenswarm.node.checkpoint import Checkpointer, content_digest
 
 
 def payload(step: int) -> dict[str, object]:
-    return {"outer": [torch.full((3,), float(step)), torch.zeros(3)], "site": {"local_steps": step}}
+    return {
+        "outer": [torch.full((3,), float(step)), torch.zeros(3)],
+        "site": {"local_steps": step},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(float(step)), "mask": torch.ones(2, dtype=torch.bool)}}
+        },
+    }
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -95,10 +101,22 @@ def test_a_flipped_byte_inside_tensor_data_is_detected(tmp_path: Path) -> None:
     assert loaded is not None and loaded["site"]["local_steps"] == 1
 
 
-def test_header_digest_covers_the_whole_payload(tmp_path: Path) -> None:
+def test_a_plain_torch_load_still_reads_a_checkpoint(tmp_path: Path) -> None:
+    """Anyone can take the weights out with torch.load; the digest is just one more key."""
     ckpt = Checkpointer(tmp_path)
     ckpt.save(payload(3))
-    data = ckpt.path.read_bytes()
-    assert data.startswith(MAGIC)
-    ckpt.path.write_bytes(data + b"x")  # even appended bytes change the digest
-    assert ckpt.load() is None
+    raw = torch.load(ckpt.path, weights_only=False)
+    assert raw["site"] == {"local_steps": 3} and raw["digest"] == content_digest(
+        {k: v for k, v in raw.items() if k not in ("format", "digest")}
+    )
+
+
+def test_a_changed_value_is_detected_even_when_the_file_is_well_formed(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(1))
+    ckpt.save(payload(2))
+    raw = torch.load(ckpt.path, weights_only=False)
+    raw["outer"][0][1] = 99.0  # rewritten by something that is not greenswarm
+    torch.save(raw, ckpt.path)
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"]["local_steps"] == 1

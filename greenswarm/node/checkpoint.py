@@ -1,85 +1,53 @@
 """Atomic, verified checkpoints: a crash while writing, or a damaged disk, never costs the last good state.
 
 Each save writes ``checkpoint.pt.tmp``, fsyncs it, keeps the previous file as ``checkpoint.prev.pt``
-and renames the new one into place (rename is atomic on POSIX). The file starts with a header --
-a magic string and a blake2b digest of everything after it -- so loading detects a torn write *and*
-a flipped byte inside tensor data (which ``torch.load`` would happily return), and then falls back
-to the previous file.
+and renames the new one into place (rename is atomic on POSIX). The payload carries a blake2b
+digest of its own contents (every tensor's bytes, dtype and shape, and every other value), checked
+on load: a torn write *and* a flipped byte inside tensor data (which ``torch.load`` returns without
+complaint) are detected, and the previous file is used. The file stays a plain ``torch.save``
+archive, so ``torch.load("checkpoint.pt")`` works for anyone who wants the weights.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-MAGIC = b"GSWCKPT1"
-DIGEST_BYTES = 32
-HEADER_BYTES = len(MAGIC) + DIGEST_BYTES
-CHUNK = 1 << 22
+FORMAT = 2
 
 
-class CorruptCheckpoint(ValueError):
-    """A checkpoint file whose bytes are not what was written."""
+def content_digest(obj: Any) -> str:
+    """A digest of a checkpoint payload: tensors by dtype, shape and bytes; containers in order
+    (dict keys sorted); every other value by its type and repr."""
+    h = hashlib.blake2b(digest_size=20)
 
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().contiguous().cpu()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too (Adam's step)
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for key in sorted(x, key=repr):
+                h.update(repr(key).encode())
+                walk(x[key])
+        elif isinstance(x, list | tuple):
+            h.update(f"L{len(x)}".encode())
+            for item in x:
+                walk(item)
+        else:
+            h.update(f"V{type(x).__name__}:{x!r}".encode())
 
-class _HashingWriter(io.RawIOBase):
-    """Writes through to ``f`` and hashes every byte (torch.save streams into it)."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.hash = f, hashlib.blake2b(digest_size=DIGEST_BYTES)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self.hash.update(data)
-        return self.f.write(data)
-
-
-class _Window(io.RawIOBase):
-    """A read-only view of ``f`` from ``offset`` on (torch.load seeks within the payload)."""
-
-    def __init__(self, f: BinaryIO, offset: int):
-        self.f, self.offset = f, offset
-        self.f.seek(offset)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        return self.f.readinto(buffer)
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence == 0:
-            pos += self.offset
-        return self.f.seek(pos, whence) - self.offset
-
-    def tell(self) -> int:
-        return self.f.tell() - self.offset
-
-
-def _verify(f: BinaryIO, path: Path) -> None:
-    """Check the header's digest against the bytes after it (streamed: checkpoints can be large)."""
-    header = f.read(HEADER_BYTES)
-    if len(header) < HEADER_BYTES or not header.startswith(MAGIC):
-        raise CorruptCheckpoint(f"{path} has no greenswarm checkpoint header")
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    while chunk := f.read(CHUNK):
-        digest.update(chunk)
-    if digest.digest() != header[len(MAGIC) :]:
-        raise CorruptCheckpoint(f"{path}: contents do not match their digest (torn or damaged)")
+    walk(obj)
+    return h.hexdigest()
 
 
 class Checkpointer:
@@ -93,12 +61,8 @@ class Checkpointer:
     def save(self, payload: dict[str, Any]) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w+b") as f:
-            f.write(MAGIC + bytes(DIGEST_BYTES))  # the digest is filled in once the payload is written
-            writer = _HashingWriter(f)
-            torch.save({"format": FORMAT, **payload}, writer)
-            f.seek(len(MAGIC))
-            f.write(writer.hash.digest())
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "digest": content_digest(payload), **payload}, f)
             f.flush()
             os.fsync(f.fileno())
         if self.path.exists():
@@ -117,18 +81,18 @@ class Checkpointer:
             if not path.exists():
                 continue
             try:
-                payload = self._read(path)
+                payload = torch.load(path, map_location="cpu", weights_only=False)
             except Exception as e:  # torn or corrupted file: say so and try the previous one
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
                 continue
             if not isinstance(payload, dict) or payload.get("format") != FORMAT:
                 log.warning("checkpoint %s has an unknown format; ignoring it", path)
                 continue
-            return payload
+            content = {k: v for k, v in payload.items() if k not in ("format", "digest")}
+            if payload.get("digest") != content_digest(content):
+                log.warning(
+                    "checkpoint %s does not match its digest (damaged); trying the previous one", path
+                )
+                continue
+            return content
         return None
-
-    @staticmethod
-    def _read(path: Path) -> Any:
-        with open(path, "rb") as f:
-            _verify(f, path)
-            return torch.load(_Window(f, HEADER_BYTES), map_location="cpu", weights_only=False)

@@ -81,6 +81,7 @@ class NodeConfig:
     progress_refresh_s: float = 2.0
     progress_ttl_s: float = 15.0
     swarm_poll_s: float = 1.0
+    rejoin_s: float = 10.0  # how often to check that an initial peer is connected, and re-dial if not
     idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
     stop_at_trace_end: bool = True
     log_every_s: float = 10.0
@@ -91,7 +92,14 @@ class NodeConfig:
     def validate(self) -> None:
         if self.keep_globals < 0:
             raise ConfigError(f"must be >= 0, got {self.keep_globals}", field="keep_globals")
-        for name in ("progress_refresh_s", "progress_ttl_s", "swarm_poll_s", "idle_wall_s", "log_every_s"):
+        for name in (
+            "progress_refresh_s",
+            "progress_ttl_s",
+            "swarm_poll_s",
+            "rejoin_s",
+            "idle_wall_s",
+            "log_every_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)
         if self.progress_ttl_s <= self.progress_refresh_s:

@@ -25,6 +25,7 @@ from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_d
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
 from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.bootstrap.rejoin import EntryWatch
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.network import relay_options, resolve_reachability, start_dht
@@ -102,7 +103,7 @@ class SiteNode:
 
         self.checkpointer = Checkpointer(Path(cfg.node.run_dir))
         self.outer: OuterOptimizer | None = None
-        self.dht = self.averager = self.view = self.publisher = self.digests = None
+        self.dht = self.averager = self.view = self.publisher = self.digests = self.entry = None
         self.faults = FaultPlan.from_env()
 
     # ------------------------------------------------------------------ public
@@ -417,6 +418,7 @@ class SiteNode:
         )
         self.view = SwarmView(self.dht, cfg.swarm.name, self.peer_id, cfg.node.swarm_poll_s)
         self.digests = DigestBoard(self.dht, cfg.swarm.name, self.peer_id)
+        self.entry = EntryWatch(self.dht, cfg.swarm.initial_peers, cfg.node.rejoin_s)
         self.publisher = ProgressPublisher(
             self.dht, cfg.swarm.name, validators, cfg.node.progress_refresh_s, cfg.node.progress_ttl_s
         )
@@ -511,7 +513,9 @@ class SiteNode:
         )
 
     def _report(self, force: bool = False) -> None:
-        """Progress record (when due or forced) and a periodic log line."""
+        """Progress record (when due or forced), the entry-point watch and a periodic log line."""
+        if self.entry is not None:
+            self.entry.poll()
         if self.publisher is not None:
             self.publisher.maybe_publish(self._record, force=force)
         if time.monotonic() - self._last_log >= self.cfg.node.log_every_s:
@@ -590,6 +594,7 @@ class SiteNode:
             "first_step_s": self.first_step_s,
             "first_round_s": self.first_round_s,
             "reachability": self.reachability,
+            "rejoins": self.entry.rejoins if self.entry else 0,
             "connections": self.connections,
             "median_round_s": rounds[len(rounds) // 2] if rounds else None,
             "wire_rounds": dict(self.wire_rounds),

@@ -1,0 +1,76 @@
+"""Re-dial the swarm's entry points when none is connected, so a restarted bootstrap learns about a
+site again (issue #6, bootstrap loss).
+
+hivemind pings its initial peers once, at start. When the bootstrap peer dies and comes back (same
+identity, same address), it starts with an empty routing table and nobody dials it: sites that reach
+each other keep averaging, but the bootstrap -- and anyone who joins through it, like
+``greenswarm progress`` -- no longer finds them. :class:`EntryWatch` checks every ``period_s`` whether
+the site's daemon is connected to any initial peer; when it is not, it dials them and pings their
+DHT, which puts the site back in their routing tables. The check runs in the DHT's process and the
+node only looks at its result, so a dead bootstrap never stalls training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class EntryWatch:
+    """Keeps a site connected to at least one of its initial peers."""
+
+    def __init__(self, dht: Any, initial_peers: list[str], period_s: float = 10.0):
+        self.dht, self.initial_peers, self.period_s = dht, list(initial_peers), period_s
+        self._future: Any = None
+        self._next = time.monotonic() + period_s
+        self.rejoins = 0
+        self._was_connected = True
+
+    def poll(self) -> None:
+        """Called from the node's loop: collect the last check's result, start the next one when due."""
+        if self._future is not None and self._future.done():
+            try:
+                connected, answered = self._future.result()
+            except Exception as e:  # the DHT process is busy or gone: try again next period
+                log.warning("entry-point check failed: %r", e)
+                connected, answered = self._was_connected, 0
+            if not connected and answered:
+                self.rejoins += 1
+                log.info("re-joined the swarm through %d initial peer(s) (the bootstrap came back)", answered)
+            elif not connected and self._was_connected:
+                log.warning("no initial peer is reachable; training and averaging go on with known peers")
+            self._was_connected = connected or bool(answered)
+            self._future = None
+        if self._future is None and self.initial_peers and time.monotonic() >= self._next:
+            self._next = time.monotonic() + self.period_s
+            self._future = self.dht.run_coroutine(
+                partial(_check_and_redial, self.initial_peers), return_future=True
+            )
+
+
+async def _check_and_redial(maddrs: list[str], _dht: Any, node: Any) -> tuple[bool, int]:
+    """Runs in the DHT process: (already connected to an initial peer?, how many answered a re-dial)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    wanted = {}
+    for text in maddrs:
+        addr = Multiaddr(text)
+        wanted[PeerID.from_base58(addr["p2p"])] = addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))
+    connected = {info.peer_id for info in await node.p2p.list_peers()}
+    if connected & set(wanted):
+        return True, 0
+    answered = 0
+    for peer, addr in wanted.items():
+        try:
+            await node.p2p._client.connect(peer, [addr])
+        except Exception as e:
+            log.debug("re-dialling %s failed: %r", peer, e)
+            continue
+        if await node.protocol.call_ping(peer) is not None:
+            answered += 1
+    return False, answered
