@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from greenswarm.digests import content_digest
+
 log = logging.getLogger(__name__)
 
 #: what a member publishes instead of a digest when its own all-reduce failed
@@ -36,12 +38,7 @@ FAILED = "failed"
 
 def state_digest(tensors: Iterable[torch.Tensor]) -> str:
     """A digest of tensors' exact bytes (dtype and shape included), in order."""
-    h = hashlib.blake2b(digest_size=16)
-    for tensor in tensors:
-        t = tensor.detach().contiguous().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    return content_digest(list(tensors))
 
 
 def group_key(swarm: str, round_index: int, lineage: str, members: Sequence[str]) -> str:

@@ -39,7 +39,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from greenswarm.averaging.codecs import wire_format
+from greenswarm.averaging.codecs import WIRE_FORMATS, wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
@@ -81,7 +81,8 @@ class SwarmAverager(DecentralizedAverager):
         self._state_provider = state_provider
         # written by the averager process during a round, read here after it (shared before the fork)
         self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
-        self._allreduce = torch.zeros(2, dtype=torch.float64).share_memory_()  # seconds, wire bytes
+        # seconds, wire bytes, index of the chosen format in WIRE_FORMATS
+        self._allreduce = torch.zeros(3, dtype=torch.float64).share_memory_()
         self._refusal = multiprocessing.Array(ctypes.c_char, 1024, lock=False)  # why a group was refused
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -158,8 +159,7 @@ class SwarmAverager(DecentralizedAverager):
         if not torch.isfinite(averaged).all():
             return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=seconds)
         gathered = {str(peer): data for peer, data in result.items()}
-        wire = choose_wire(offers_of(list(gathered.items())), averaged.numel()).name  # as the group did
-        allreduce_s, wire_bytes = (float(v) for v in self._allreduce)
+        allreduce_s, wire_bytes, chosen = (float(v) for v in self._allreduce)
         if allreduce_s > 0 and wire_bytes > 0:
             self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
         return RoundOutcome(
@@ -168,7 +168,7 @@ class SwarmAverager(DecentralizedAverager):
             gathered=gathered,
             averaged=averaged,
             seconds=seconds,
-            wire=wire,
+            wire=list(WIRE_FORMATS)[int(chosen)],  # as the averager process chose it for the group
             residual=self._residual.clone(),
         )
 
@@ -227,6 +227,7 @@ class SwarmAverager(DecentralizedAverager):
         n = len(group_info.peer_ids)
         self._allreduce[0] = time.monotonic() - started
         self._allreduce[1] = 2 * flat.numel() * fmt.nominal_bytes * (n - 1) / n
+        self._allreduce[2] = list(WIRE_FORMATS).index(fmt.name)
         for tensor, average in zip(tensors, averaged, strict=True):
             tensor.copy_(average)
         self.last_updated = get_dht_time()

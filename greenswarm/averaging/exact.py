@@ -39,12 +39,20 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, *, compression: CompressionBase, **kwargs):
         super().__init__(compression=compression, **kwargs)
         self._codec = compression
+        self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
         self.tensor_part_container.return_deltas = False
 
-    def _encode(self, averaged: torch.Tensor):
-        return self._codec.compress(averaged, CompressionInfo.from_tensor(averaged), allow_inplace=False)
+    def _encoded_average(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        """The wire form of part ``part_index``'s average: coded once, sent to every sender and decoded
+        for this reducer's own part (all of them get the same bytes)."""
+        if part_index not in self._encoded:
+            info = CompressionInfo.from_tensor(averaged)
+            self._encoded[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, lambda: self._codec.compress(averaged, info, allow_inplace=False)
+            )
+        return self._encoded[part_index]
 
     async def run(self) -> AsyncIterator[torch.Tensor]:
         """Yield the averaged tensors; raise if any part of them is not the group's average."""
@@ -69,9 +77,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 sender_index, part_index, part, weight=self.weight
             )
             # keep what the other members will decode, not the unrounded average
-            same_as_peers = await loop.run_in_executor(
-                None, lambda a=averaged: deserialize_torch_tensor(self._encode(a))
-            )
+            encoded = await self._encoded_average(part_index, averaged)
+            same_as_peers = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, same_as_peers)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -84,10 +91,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=message.weight
                     )
-                    part_index += 1
                 except BannedException:  # the sender was banned meanwhile: it no longer gets results
                     break
-                encoded = await loop.run_in_executor(None, self._encode, averaged)
+                encoded = await self._encoded_average(part_index, averaged)
+                part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -10,7 +10,6 @@ archive, so ``torch.load("checkpoint.pt")`` works for anyone who wants the weigh
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -18,36 +17,11 @@ from typing import Any
 
 import torch
 
+from greenswarm.digests import content_digest
+
 log = logging.getLogger(__name__)
 
 FORMAT = 2
-
-
-def content_digest(obj: Any) -> str:
-    """A digest of a checkpoint payload: tensors by dtype, shape and bytes; containers in order
-    (dict keys sorted); every other value by its type and repr."""
-    h = hashlib.blake2b(digest_size=20)
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().contiguous().cpu()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too (Adam's step)
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)}".encode())
-            for key in sorted(x, key=repr):
-                h.update(repr(key).encode())
-                walk(x[key])
-        elif isinstance(x, list | tuple):
-            h.update(f"L{len(x)}".encode())
-            for item in x:
-                walk(item)
-        else:
-            h.update(f"V{type(x).__name__}:{x!r}".encode())
-
-    walk(obj)
-    return h.hexdigest()
 
 
 class Checkpointer:

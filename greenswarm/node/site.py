@@ -25,7 +25,6 @@ from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_d
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
 from greenswarm.bootstrap.identity import load_or_create_identity
-from greenswarm.bootstrap.rejoin import EntryWatch
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.network import relay_options, resolve_reachability, start_dht
@@ -33,6 +32,7 @@ from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
+from greenswarm.node.rejoin import EntryWatch
 from greenswarm.node.swarm_view import SwarmView, state_key
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import make_clock
