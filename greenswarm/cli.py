@@ -297,9 +297,10 @@ def _trace_options(args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from greenswarm.procs import setup_logging
+    from greenswarm.procs import interrupt_on_termination, reap_children, setup_logging
 
     setup_logging(args.verbose)
+    interrupt_on_termination()
     try:
         return _dispatch(args)
     except GreenswarmError as e:
@@ -307,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    finally:
+        reap_children()  # whatever a command started (a DHT process, p2pd, site nodes) ends with it
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from greenswarm.errors import ConfigError, SwarmError
+from greenswarm.procs import exit_with_parent
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -225,11 +226,18 @@ def start_dht(
     from hivemind import DHT
     from hivemind.p2p import P2PDaemonError
 
+    class OwnedDHT(DHT):
+        """hivemind's DHT process, which ends itself and its p2pd daemon when its parent dies."""
+
+        def run(self) -> None:
+            exit_with_parent()
+            super().run()
+
     _register_p2pd_modes()
     delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
     while True:
         try:
-            return DHT(
+            return OwnedDHT(
                 initial_peers=initial_peers or None,
                 start=True,
                 host_maddrs=host_maddrs,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -23,9 +25,21 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
         return []
 
 
+#: descendants that must outlive the reaping: torch's shared-memory manager (hivemind shares memory
+#: through it) ends by itself once its last client has gone, and a client whose manager was killed
+#: aborts the interpreter when it frees shared memory at exit
+_SPARED = frozenset({"torch_shm_manager"})
+
+
 def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:
     """Terminate (then kill) all descendants of ``pid`` (default: this process); return how many."""
-    children = descendants(pid)
+    children = []
+    for child in descendants(pid):
+        try:
+            if child.name() not in _SPARED:
+                children.append(child)
+        except psutil.NoSuchProcess:
+            continue
     for child in children:
         try:
             child.terminate()
@@ -41,23 +55,63 @@ def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:
     return len(children)
 
 
+def exit_with_parent(interval_s: float = 0.5) -> None:
+    """In a forked helper process (hivemind's DHT or averager): once the parent is gone -- killed with
+    SIGKILL, say, so it could not shut its helpers down -- end this process's own children (the p2pd
+    daemon) and exit, instead of living on as an orphan holding ports and memory."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        reap_children(timeout=1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _stop_signals() -> list[int]:
+    """SIGINT, SIGTERM, and SIGHUP unless it is ignored (``nohup``: the user asked to survive it)."""
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        sigs.append(signal.SIGHUP)
+    return sigs
+
+
 def on_termination(callback: Callable[[], None]) -> None:
-    """Call ``callback`` on SIGINT/SIGTERM (once; a second signal interrupts for real)."""
+    """Call ``callback`` on SIGINT/SIGTERM/SIGHUP (once; a second signal interrupts for real)."""
 
     owner = os.getpid()
 
     def handler(signum: int, _frame: object) -> None:
-        if os.getpid() != owner:  # a forked child (hivemind's DHT/averager) inherited this: just exit
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
+        if os.getpid() != owner:  # a forked helper (hivemind's DHT/averager) inherited this: ignore it
+            return  # its owner shuts it down, or it ends itself when the owner is gone (exit_with_parent)
         log.info("received %s: finishing cleanly", signal.Signals(signum).name)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         callback()
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for sig in _stop_signals():
+        signal.signal(sig, handler)
+
+
+def interrupt_on_termination() -> None:
+    """Make SIGTERM and SIGHUP interrupt like Ctrl-C, so a command's ``finally`` blocks run (stopping
+    its DHT, its children and their p2pd daemons) instead of the process vanishing and leaving them.
+    Commands with their own clean stop (node, bootstrap) replace this with :func:`on_termination`."""
+
+    owner = os.getpid()
+
+    def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:  # a forked helper: its owner shuts it down (see on_termination)
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # cleanup must not be cut short by a repeat
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in _stop_signals():
+        if sig != signal.SIGINT:  # Python already turns SIGINT into KeyboardInterrupt
+            signal.signal(sig, handler)
 
 
 def setup_logging(verbose: bool = False) -> None:

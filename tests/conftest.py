@@ -206,6 +206,16 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
         harness.close()
 
 
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def write_trace(
     path: Path, regions: dict[str, list[float]], start: str = "2026-01-01T00:00:00Z", step_s: int = 300
 ) -> Path:

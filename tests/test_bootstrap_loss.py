@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Swarm, site_config, write_trace
+from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.faults]
 
@@ -29,15 +29,6 @@ def _averaged(swarm: Swarm, name: str) -> int:
     return len(AVERAGED.findall(swarm.log(name)))
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path) -> None:
     listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
     peers = swarm.bootstrap("bootstrap", listen=listen, key="boot.key")
@@ -48,11 +39,11 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
         cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_wall=start,
                           sync_s=900.0, shard=i, shards=2, node={"rejoin_s": 2.0})  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
-    _wait(lambda: all(_averaged(swarm, n) >= 1 for n in sites), 90, "a first averaged round")
+    wait_until(lambda: all(_averaged(swarm, n) >= 1 for n in sites), 90, "a first averaged round")
 
     swarm.kill("bootstrap", signal.SIGKILL)  # the entry point is gone, daemon and all
     at_kill = {n: _averaged(swarm, n) for n in sites}
-    _wait(
+    wait_until(
         lambda: all(_averaged(swarm, n) >= at_kill[n] + 2 for n in sites), 40, "rounds without the bootstrap"
     )
 
@@ -66,7 +57,7 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
         listed = json.loads(out.stdout) if out.returncode == 0 else []
         return sorted(r["site"] for r in listed) == sites
 
-    _wait(both_listed, 40, f"both sites listed through the restarted bootstrap (last: {listed})")
+    wait_until(both_listed, 40, f"both sites listed through the restarted bootstrap (last: {listed})")
     for name in sites:
         assert swarm.wait(name, timeout=120) == 0, swarm.log(name)[-3000:]
         summary = json.loads((tmp_path / name / "summary.json").read_text())

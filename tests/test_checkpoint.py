@@ -120,3 +120,23 @@ def test_a_changed_value_is_detected_even_when_the_file_is_well_formed(tmp_path:
     torch.save(raw, ckpt.path)
     loaded = ckpt.load()
     assert loaded is not None and loaded["site"]["local_steps"] == 1
+
+
+def test_read_verifies_any_checkpoint_file(tmp_path: Path) -> None:
+    """``read`` is the per-file check behind ``load``: usable on copies kept elsewhere (best/)."""
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(payload(4))
+    copy = tmp_path / "elsewhere.pt"
+    copy.write_bytes(ckpt.path.read_bytes())
+    content = Checkpointer.read(copy)
+    assert content is not None and content["site"] == {"local_steps": 4}
+    assert content.keys() == ckpt.load().keys()  # the same payload, without format and digest
+    assert Checkpointer.read(tmp_path / "missing.pt") is None
+    data = bytearray(copy.read_bytes())
+    at = data.find(torch.full((3,), 4.0).numpy().tobytes())
+    assert at > 0
+    data[at] ^= 0x01
+    copy.write_bytes(bytes(data))
+    assert Checkpointer.read(copy) is None
+    torch.save([1, 2, 3], copy)
+    assert Checkpointer.read(copy) is None

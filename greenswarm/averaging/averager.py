@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -44,6 +45,8 @@ from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
+from greenswarm.faults import FaultPlan
+from greenswarm.procs import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class RoundOutcome:
     seconds: float = 0.0
     wire: str = ""  # the wire format the group chose
     residual: torch.Tensor | None = None  # what this site's coding left out of what it sent
+    allreduce_s: float | None = None  # time in the all-reduce itself (None: no group formed)
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -76,13 +80,16 @@ class SwarmAverager(DecentralizedAverager):
         cfg: AveragingConfig,
         state_provider: StateProvider,
         client_mode: bool = False,
+        faults: FaultPlan | None = None,
     ):
         self._cfg = cfg
         self._state_provider = state_provider
+        self._faults = faults or FaultPlan()  # copied into the averager process by the fork
         # written by the averager process during a round, read here after it (shared before the fork)
         self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
-        # seconds, wire bytes, index of the chosen format in WIRE_FORMATS
-        self._allreduce = torch.zeros(3, dtype=torch.float64).share_memory_()
+        # seconds, wire bytes, index of the chosen format in WIRE_FORMATS, and the monotonic time the
+        # all-reduce began (CLOCK_MONOTONIC is system-wide, so it compares across processes)
+        self._allreduce = torch.zeros(4, dtype=torch.float64).share_memory_()
         self._refusal = multiprocessing.Array(ctypes.c_char, 1024, lock=False)  # why a group was refused
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -106,9 +113,15 @@ class SwarmAverager(DecentralizedAverager):
         # hivemind's run_in_background sets SIGINT to "ignore" in *our* process; give Ctrl-C back
         signal.signal(signal.SIGINT, previous_sigint)
 
+    def run(self) -> None:
+        """The averager process (forked): hivemind's loop, ended when the node dies without a word."""
+        exit_with_parent()
+        super().run()
+
     # ---- serving state (runs in this process, on hivemind's background thread) ----
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        self._faults.hit("serve-state")  # a newcomer is downloading this site's state right now
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
@@ -125,41 +138,42 @@ class SwarmAverager(DecentralizedAverager):
     ) -> RoundOutcome:
         """All-reduce ``delta`` (weighted) with the group of this round slot and lineage."""
         started = time.monotonic()
-        self._call(
-            "_configure_round",
-            bits=group_bits(round_index, lineage),
-            target=max(2, min(expected_size, self._cfg.max_group_size)),
-        )
-        with self.get_tensors() as (buffer,):
-            buffer.copy_(delta)
-        self._refusal.value = b""
-        offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
+        control = None
         try:
-            result = self.step(
+            self._call(
+                "_configure_round",
+                wait_s=10.0,
+                bits=group_bits(round_index, lineage),
+                target=max(2, min(expected_size, self._cfg.max_group_size)),
+            )
+            with self.get_tensors() as (buffer,):
+                buffer.copy_(delta)
+            self._refusal.value = b""
+            self._allreduce.zero_()
+            offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
+            control = self.step(
                 gather={**gather, "wire_offer": offer},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
                 allow_retries=True,
+                wait=False,
             )
+            self._matchmaking_fault(control)
+            result = control.result(timeout=self._round_bound_s())
         except Exception as e:  # hivemind reports failures as several exception types
-            return RoundOutcome(
-                False,
-                reason=self._why(f"{type(e).__name__}: {e}".strip(": ")),
-                seconds=time.monotonic() - started,
-            )
+            if control is not None and not control.done():  # our wait ran out: the process is gone or stuck
+                control.cancel()
+                silent = f"the averager process did not answer in {self._round_bound_s():.0f} s"
+                return self._failed(silent, started)
+            return self._failed(self._why(f"{type(e).__name__}: {e}".strip(": ")), started)
         if not result:
-            return RoundOutcome(
-                False,
-                reason=self._why("no group formed before the deadline"),
-                seconds=time.monotonic() - started,
-            )
+            return self._failed(self._why("no group formed before the deadline"), started)
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
-        seconds = time.monotonic() - started
         if not torch.isfinite(averaged).all():
-            return RoundOutcome(False, reason="averaged vector has NaN/Inf", seconds=seconds)
+            return self._failed("averaged vector has NaN/Inf", started)
         gathered = {str(peer): data for peer, data in result.items()}
-        allreduce_s, wire_bytes, chosen = (float(v) for v in self._allreduce)
+        allreduce_s, wire_bytes, chosen, _ = (float(v) for v in self._allreduce)
         if allreduce_s > 0 and wire_bytes > 0:
             self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
         return RoundOutcome(
@@ -167,10 +181,34 @@ class SwarmAverager(DecentralizedAverager):
             members=sorted(gathered),
             gathered=gathered,
             averaged=averaged,
-            seconds=seconds,
+            seconds=time.monotonic() - started,
             wire=list(WIRE_FORMATS)[int(chosen)],  # as the averager process chose it for the group
             residual=self._residual.clone(),
+            allreduce_s=self._allreduce_seconds(),
         )
+
+    def _round_bound_s(self) -> float:
+        """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
+        return 2 * self._cfg.matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
+
+    def _failed(self, reason: str, started: float) -> RoundOutcome:
+        return RoundOutcome(
+            False, reason=reason, seconds=time.monotonic() - started, allreduce_s=self._allreduce_seconds()
+        )
+
+    def _allreduce_seconds(self) -> float | None:
+        """How long this attempt spent in its all-reduce, group formed to now (None: no group formed)."""
+        began = float(self._allreduce[3])
+        return time.monotonic() - began if began > 0 else None
+
+    def _matchmaking_fault(self, control: Any) -> None:
+        """The ``matchmaking`` fault point: fire once the averager is looking for this round's group."""
+        if not self._faults.armed("matchmaking"):
+            return
+        deadline = time.monotonic() + 2 * self._cfg.matchmaking_s
+        while control.stage.value < AveragingStage.LOOKING_FOR_GROUP.value and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._faults.hit("matchmaking")
 
     def _why(self, reason: str) -> str:
         """A failure's reason; a refused group (wire format mismatch) is the reason that matters."""
@@ -195,6 +233,7 @@ class SwarmAverager(DecentralizedAverager):
         """Runs in the averager process: hivemind's hook for one all-reduce, with the exact runner; the
         tensors are *replaced* by the group's average (hivemind adds a difference to them)."""
         group_id = group_info.group_id if group_id is None else group_id
+        self._allreduce[3] = time.monotonic()
         try:
             fmt = choose_wire(self._gathered_offers(group_info), sum(t.numel() for t in tensors))
         except WireMismatch as e:
@@ -216,6 +255,7 @@ class SwarmAverager(DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            faults=self._faults,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)  # lets groupmates' part requests reach it

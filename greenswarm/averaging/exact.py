@@ -32,13 +32,16 @@ from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import averaging_pb2
 
+from greenswarm.faults import FaultPlan
+
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the group's average, bit-identical on every member."""
 
-    def __init__(self, *, compression: CompressionBase, **kwargs):
+    def __init__(self, *, compression: CompressionBase, faults: FaultPlan | None = None, **kwargs):
         super().__init__(compression=compression, **kwargs)
         self._codec = compression
+        self._faults = faults or FaultPlan()
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
@@ -93,6 +96,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     )
                 except BannedException:  # the sender was banned meanwhile: it no longer gets results
                     break
+                if part_index == 0:
+                    self._faults.hit("allreduce")  # mid all-reduce: a groupmate's part is in this reducer
                 encoded = await self._encoded_average(part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)

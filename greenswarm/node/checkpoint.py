@@ -4,7 +4,9 @@ Each save writes ``checkpoint.pt.tmp``, fsyncs it, keeps the previous file as ``
 and renames the new one into place (rename is atomic on POSIX). The payload carries a blake2b
 digest of its own contents (every tensor's bytes, dtype and shape, and every other value), checked
 on load: a torn write *and* a flipped byte inside tensor data (which ``torch.load`` returns without
-complaint) are detected, and the previous file is used. The file stays a plain ``torch.save``
+complaint) are detected, and the previous file is used. A process killed between syncing the new
+file and renaming it leaves a complete ``checkpoint.pt.tmp``; it verifies, so the next start resumes
+from it and loses nothing. The file stays a plain ``torch.save``
 archive, so ``torch.load("checkpoint.pt")`` works for anyone who wants the weights.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from greenswarm.digests import content_digest
+from greenswarm.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 
@@ -27,46 +30,78 @@ FORMAT = 2
 class Checkpointer:
     """Saves and restores one site's checkpoint in ``directory``."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, faults: FaultPlan | None = None):
         self.directory = Path(directory)
         self.path = self.directory / "checkpoint.pt"
         self.previous = self.directory / "checkpoint.prev.pt"
+        self.pending = self.directory / "checkpoint.pt.tmp"  # a save in progress
+        self._faults = faults or FaultPlan()
 
     def save(self, payload: dict[str, Any]) -> Path:
+        """Write ``payload`` as the new ``checkpoint.pt`` and keep the old one as ``checkpoint.prev.pt``.
+
+        Only new files are written and renamed, never an existing one rewritten: a hard link to an
+        earlier checkpoint (``run_dir/best``) keeps its contents.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with open(self.pending, "wb") as f:
             torch.save({"format": FORMAT, "digest": content_digest(payload), **payload}, f)
             f.flush()
             os.fsync(f.fileno())
         if self.path.exists():
             os.replace(self.path, self.previous)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the renames themselves durable
-        finally:
-            os.close(dir_fd)
+        self._faults.hit("checkpoint")  # the moment with no checkpoint.pt on disk
+        os.replace(self.pending, self.path)
+        fsync_directory(self.directory)  # make the renames themselves durable
         return self.path
 
     def load(self) -> dict[str, Any] | None:
-        """The newest readable checkpoint, or None when there is none."""
-        for path in (self.path, self.previous):
-            if not path.exists():
-                continue
-            try:
-                payload = torch.load(path, map_location="cpu", weights_only=False)
-            except Exception as e:  # torn or corrupted file: say so and try the previous one
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, e)
-                continue
-            if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-                log.warning("checkpoint %s has an unknown format; ignoring it", path)
-                continue
-            content = {k: v for k, v in payload.items() if k not in ("format", "digest")}
-            if payload.get("digest") != content_digest(content):
-                log.warning(
-                    "checkpoint %s does not match its digest (damaged); trying the previous one", path
-                )
-                continue
-            return content
+        """The newest verified checkpoint, or None when there is none.
+
+        A complete, verified ``checkpoint.pt.tmp`` is the newest of all: the process died after
+        writing and syncing it but before renaming it into place (a torn one fails verification and
+        is skipped). Then ``checkpoint.pt``, then ``checkpoint.prev.pt``.
+        """
+        for path in (self.pending, self.path, self.previous):
+            content = self.read(path)
+            if content is not None:
+                if path == self.pending:
+                    log.warning("using %s: a save was interrupted after it was written", path)
+                elif path == self.previous and self.path.exists():
+                    log.warning("using the previous checkpoint %s instead", path)
+                return content
         return None
+
+    @staticmethod
+    def read(path: str | Path) -> dict[str, Any] | None:
+        """The verified payload of one checkpoint file, or None when it is missing, unreadable or damaged.
+
+        The one check behind :meth:`load`, for any file this class wrote (e.g. the best checkpoints
+        kept by :class:`~greenswarm.node.evaluation.BestCheckpoints`, which are links or copies of it):
+        a file that fails it is reported and never trusted.
+        """
+        path = Path(path)
+        if not path.exists():
+            return None
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # torn or corrupted file: say so; the caller decides what to try next
+            log.warning("checkpoint %s is unreadable (%s)", path, e)
+            return None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            log.warning("checkpoint %s has an unknown format; ignoring it", path)
+            return None
+        content = {k: v for k, v in payload.items() if k not in ("format", "digest")}
+        if payload.get("digest") != content_digest(content):
+            log.warning("checkpoint %s does not match its digest (damaged); ignoring it", path)
+            return None
+        return content
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make renames and new links inside ``directory`` durable (a file's fsync does not cover its name)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

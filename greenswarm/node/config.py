@@ -1,7 +1,7 @@
 """The site config: one dataclass per component, composed into what ``greenswarm node`` loads.
 
 A site YAML has one section per component (``swarm``, ``model``, ``data``, ``train``, ``scheduler``,
-``energy``, ``averaging``, ``node``) plus the site's ``name`` and ``region``; every field has a
+``energy``, ``averaging``, ``node``, ``eval``) plus the site's ``name`` and ``region``; every field has a
 default except those two, so a minimal config is three lines.
 """
 
@@ -17,6 +17,7 @@ from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
 from greenswarm.network import SwarmConfig
 from greenswarm.node.data import DataConfig
+from greenswarm.node.evaluation import EvalConfig
 from greenswarm.node.model import ModelConfig
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
 
@@ -124,12 +125,18 @@ class SiteConfig:
     energy: EnergyConfig = field(default_factory=EnergyConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         if not _SITE_RE.match(self.name):
             raise ConfigError(f"{self.name!r}: use up to 64 letters, digits, '.', '-' or '_'", field="name")
         if not self.region.strip():
             raise ConfigError("must name a region (a column of the trace)", field="region")
+        if self.eval.enabled:  # a loss measured on documents the site trains on would pick the wrong "best"
+            try:
+                self.eval.check_against(self.data)
+            except ConfigError as e:
+                raise e.located("eval") from None
 
 
 def load_site_config(path: str | Path | None, overrides: list[str] | None = None) -> SiteConfig:

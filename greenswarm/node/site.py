@@ -31,8 +31,10 @@ from greenswarm.network import relay_options, resolve_reachability, start_dht
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
+from greenswarm.node.evaluation import BestCheckpoints, HeldOut
 from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
 from greenswarm.node.rejoin import EntryWatch
+from greenswarm.node.round_log import RoundEntry, RoundLog
 from greenswarm.node.swarm_view import SwarmView, state_key
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import make_clock
@@ -75,7 +77,8 @@ class SiteNode:
             make_power_model(cfg.energy, on_gpu=self.world.device.type == "cuda"),
             start=self.clock.now(),
         )
-        self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world)
+        self.faults = FaultPlan.from_env()
+        self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
 
         # the site's state in the swarm
         self.state = IDLE
@@ -101,10 +104,13 @@ class SiteNode:
         self._last_log = 0.0
         self.peer_id = ""
 
-        self.checkpointer = Checkpointer(Path(cfg.node.run_dir))
+        self.checkpointer = Checkpointer(Path(cfg.node.run_dir), self.faults)
+        self.held_out = HeldOut(cfg.eval, cfg.data, self.trainer.tokenizer)
+        self.best = BestCheckpoints(cfg.eval, self.checkpointer) if self.world.is_leader else None
+        self.eval_loss: float | None = None  # the global model's held-out loss at its last evaluation
         self.outer: OuterOptimizer | None = None
+        self.rounds = RoundLog(cfg.node.run_dir, self.started)
         self.dht = self.averager = self.view = self.publisher = self.digests = self.entry = None
-        self.faults = FaultPlan.from_env()
 
     # ------------------------------------------------------------------ public
 
@@ -181,25 +187,32 @@ class SiteNode:
 
     def _end_round(self, state: SiteState) -> None:
         """Average (FEDERATED) or take the step alone (SOLO), then move the global model."""
+        began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
         if state is FEDERATED:
             self._catch_up(in_window_only=True)
         local = self._collective("gather")
         delta = self.outer.pseudo_gradient(local)
+        outcome = verdict = None
         if state is FEDERATED:
             outcome = self._average(delta)
             verdict = self._agree(outcome, delta) if outcome.ok else None
             if verdict is not None and verdict.action == "resync":
-                self._resync(outcome, verdict)
+                resynced = self._resync(outcome, verdict)
+                self._log_round("resync" if resynced else "fail", began, outcome, verdict)
+                if resynced:
+                    self.faults.round_done()
                 return
             if verdict is None or verdict.action != "apply":
                 self.counts["failed_rounds"] += 1
+                why = outcome.reason if verdict is None else verdict.reason
                 self.log.warning(
                     "round %d: %s (%s); keeping local progress, retrying next round",
                     self._slot,
                     "averaging failed" if verdict is None else "the group did not agree on the result",
-                    outcome.reason if verdict is None else verdict.reason,
+                    why,
                 )
+                self._log_round("fail", began, outcome, verdict, reason=why)
                 return
             averaged, members = outcome.averaged, outcome.members
             self._keep_residual(outcome)
@@ -222,10 +235,45 @@ class SiteNode:
             self.outer.digest(),
         )
         self._after_step()
+        self._log_round("solo" if outcome is None else "apply", began, outcome, verdict)
+        if outcome is not None:
+            self.faults.round_done()
+
+    def _log_round(
+        self,
+        action: str,
+        began: float,
+        outcome: RoundOutcome | None,
+        verdict: Verdict | None,
+        reason: str = "",
+    ) -> None:
+        """One line of the round log (``run_dir/rounds.jsonl``): what this round did, and its timings."""
+        members = [str(g.get("site", p)) for p, g in outcome.gathered.items()] if outcome else []
+        self.rounds.write(
+            RoundEntry(
+                slot=self._slot,
+                action=action,
+                outer_round=self.outer_round,
+                lineage=self.lineage,
+                digest=self.outer.digest(),
+                members=sorted(members) or [self.cfg.name],
+                reason=reason,
+                wire=outcome.wire if outcome else "",
+                round_s=outcome.seconds if outcome else None,
+                allreduce_s=outcome.allreduce_s if outcome else None,
+                agreement_s=self.agreement_seconds[-1] if verdict is not None else None,
+                blocked_s=time.monotonic() - began,
+            )
+        )
 
     def _after_step(self) -> None:
-        """What follows every change of the global model: checkpoint, kept copy, record, fresh view."""
+        """What follows every change of the global model: checkpoint, held-out loss and the best
+        checkpoints (when due), kept copy, record, fresh view."""
         self._save_checkpoint()
+        loss = self.best.after_step(self.outer_round, self.lineage, lambda: self._collective("evaluate"))
+        if loss is not None:
+            self.eval_loss = loss
+            self.log.info("outer step %d: held-out loss %.4f", self.outer_round, loss)
         self._keep_global()
         self._report(force=True)
         self.view.refresh()
@@ -414,7 +462,12 @@ class SiteNode:
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = SwarmAverager(
-            self.dht, f"{cfg.swarm.name}-avg", self.outer.numel, cfg.averaging, self._served_state
+            self.dht,
+            f"{cfg.swarm.name}-avg",
+            self.outer.numel,
+            cfg.averaging,
+            self._served_state,
+            faults=self.faults,
         )
         self.view = SwarmView(self.dht, cfg.swarm.name, self.peer_id, cfg.node.swarm_poll_s)
         self.digests = DigestBoard(self.dht, cfg.swarm.name, self.peer_id)
@@ -588,6 +641,7 @@ class SiteNode:
             "local_steps": self.local_steps,
             "tokens": self.tokens,
             "loss": self.loss,
+            "eval_loss": self.eval_loss,
             "energy_kwh": self.ledger.energy_kwh,
             "emissions_g": self.ledger.emissions_g,
             "seconds_by_state": dict(self.ledger.seconds),
@@ -635,6 +689,8 @@ class SiteNode:
             return self.trainer.state_dict()
         if op == "restore":
             return self.trainer.load_state_dict(arg)
+        if op == "evaluate":
+            return self.trainer.evaluate(self.held_out.batches())
         if op in ("idle", "stop"):
             return None
         raise ValueError(f"unknown site operation {op!r}")

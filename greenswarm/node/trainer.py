@@ -8,12 +8,14 @@ averager never care how the model is laid out.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from greenswarm.averaging.outer import flatten
+from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters
@@ -39,8 +41,16 @@ def _shard_with_fsdp(model: torch.nn.Module) -> None:
 class InnerTrainer:
     """Owns the model, the inner optimizer and the token stream of this process."""
 
-    def __init__(self, model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: Any, world: World):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        data_cfg: DataConfig,
+        train_cfg: Any,
+        world: World,
+        faults: FaultPlan | None = None,
+    ):
         self.world, self.cfg = world, train_cfg
+        self._faults = faults or FaultPlan()
         if train_cfg.threads:
             torch.set_num_threads(train_cfg.threads)
         self.tokenizer = load_tokenizer(model_cfg.tokenizer)
@@ -79,15 +89,14 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
         total = 0.0
-        autocast = torch.autocast(
-            self.world.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"
-        )
+        autocast = self._autocast()
         for _ in range(self.accumulation):
             batch = next(self._iterator).to(self.world.device, non_blocking=True)
             with autocast:
                 loss = causal_lm_loss(self.model, batch) / self.accumulation
             loss.backward()
             total += float(loss.detach())
+        self._faults.hit("step")  # mid inner step: gradients computed, parameters not yet updated
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -100,6 +109,35 @@ class InnerTrainer:
         if not math.isfinite(total):
             raise FloatingPointError(f"inner loss is {total} at step {self.steps}")
         return StepStats(loss=total, tokens=self.tokens_per_step)
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast when ``train.precision`` asks for it (parameters stay fp32), else a no-op."""
+        return torch.autocast(
+            self.world.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
+        """Mean causal-LM loss of the current model over ``batches``, in the training precision.
+
+        A collective under FSDP: every rank must call it with the same batches (the forward gathers the
+        sharded parameters), so every rank computes the same value; rank 0's is broadcast so all ranks
+        return exactly one number. The model is in eval mode only for the call, and no parameter,
+        gradient or optimizer state changes, so training continues exactly as without it.
+        """
+        if not batches:
+            raise ValueError("evaluate needs at least one batch")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            total = torch.zeros((), device=self.world.device)
+            for batch in batches:
+                with self._autocast():
+                    total += causal_lm_loss(self.model, batch.to(self.world.device, non_blocking=True))
+            loss = float(total) / len(batches)
+        finally:
+            self.model.train(was_training)
+        return float(self.world.broadcast(loss))
 
     # ---- the model as one flat vector ----
 

@@ -1,0 +1,285 @@
+"""A fault campaign: a real three-site swarm on loopback whose sites are killed (or frozen) at named
+points, restarted, and checked -- used by ``tests/test_fault_campaign.py`` (a few faults, one per
+kind of point) and ``benchmarks/fault_campaign.py`` (20 randomized ones).
+
+Each site runs with ``GREENSWARM_FAULTS`` set to its next planned fault (``kill:allreduce@2`` ...),
+so the site itself dies -- node, hivemind processes and p2pd daemons together -- at exactly that
+point; the campaign notices, inspects what the dead site left on disk, and restarts it with its next
+fault. A ``stop`` fault freezes the site (SIGSTOP); the campaign thaws it after ``stop_s`` and
+restarts it cleanly (SIGTERM) a few rounds later. Afterwards every site's round log
+(``rounds.jsonl``) is read to check that no two sites ever held different global models for the same
+outer step and lineage, and how long survivors waited in any round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
+from greenswarm.faults import PROCESS_POINTS, signal_site
+from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.round_log import read_rounds
+from tests.conftest import Swarm, site_config, write_trace
+
+SITES = ("site-0", "site-1", "site-2")
+ACTIONS = ("apply", "resync", "fail", "solo")  # what a round log entry says a round did
+SPEEDUP, SYNC_S = 300.0, 600.0  # a round every 2 wall seconds
+VISITS = {  # which visit of each point a planned fault fires on: early enough to come up soon
+    "step": (15, 120),
+    "matchmaking": (1, 3),
+    "allreduce": (1, 3),
+    "checkpoint": (1, 3),
+    "serve-state": (1, 1),
+}
+
+
+@dataclass
+class Fault:
+    site: str
+    action: str  # kill | stop
+    point: str
+    visit: int
+
+    @property
+    def plan(self) -> str:
+        return f"{self.action}:{self.point}@{self.visit}"
+
+
+@dataclass
+class FaultResult:
+    """What one fault did: when it fired, what the dead (or frozen) site left, how it came back."""
+
+    fault: Fault
+    fired: bool = False  # False: the point did not come up in time and the site was killed from outside
+    fired_after_s: float | None = None  # since the site's (re)start
+    checkpoint: dict[str, str] = field(default_factory=dict)  # file -> ok | missing | damaged
+    resumed_outer_round: int | None = None
+    nan: bool = False
+    exit_code: int | None = None  # the dead site's exit status (-9: killed at its point)
+    left_processes: int = 0  # processes of the dead site still alive after it died
+    restart_to_round_s: float | None = None  # respawn -> first round averaged with others
+
+
+def plan_faults(n: int, seed: int, stop_share: float = 0.25) -> list[Fault]:
+    """``n`` faults over random sites, points and visits (every point at least once when n >= 5);
+    about ``stop_share`` of those at network points freeze the site instead of killing it."""
+    rng = random.Random(seed)
+    extra = max(0, n - len(PROCESS_POINTS))
+    points = list(PROCESS_POINTS) + [rng.choice(PROCESS_POINTS) for _ in range(extra)]
+    rng.shuffle(points)
+    faults = []
+    for point in points[:n]:
+        network = point in ("matchmaking", "allreduce", "serve-state")
+        action = "stop" if network and rng.random() < stop_share else "kill"
+        faults.append(Fault(rng.choice(SITES), action, point, rng.randint(*VISITS[point])))
+    return faults
+
+
+def inspect_checkpoints(run_dir: Path) -> tuple[dict[str, str], int | None, bool]:
+    """Each checkpoint file's state, the outer step a restart resumes from, and whether it holds NaN."""
+    checkpointer = Checkpointer(run_dir)
+    states = {}
+    for path in (checkpointer.path, checkpointer.previous, checkpointer.pending):
+        if not path.exists():
+            states[path.name] = "missing"
+            continue
+        states[path.name] = "ok" if checkpointer.read(path) is not None else "damaged"
+    payload = checkpointer.load()
+    if payload is None:
+        return states, None, False
+    tensors = [*payload["outer"], *payload["trainer"]["model"].values()]
+    nan = any(not torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point())
+    return states, int(payload["site"]["outer_round"]), nan
+
+
+def _session_alive(pid: int, grace_s: float = 3.0) -> int:
+    """Processes of the session ``pid`` leads (zombies excluded) that outlive ``grace_s``: a process
+    SIGKILLed a moment ago may not have been reaped yet."""
+    deadline = time.monotonic() + grace_s
+    while (alive := _count_session(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def _count_session(pid: int) -> int:
+    alive = 0
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive += 1
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            continue
+    return alive
+
+
+class Campaign:
+    """Runs the sites of one campaign under a :class:`~tests.conftest.Swarm` harness."""
+
+    def __init__(self, swarm: Swarm, workdir: Path, faults: list[Fault], fire_timeout_s: float = 90.0):
+        self.swarm, self.workdir = swarm, workdir
+        self.queue = {site: [f for f in faults if f.site == site] for site in SITES}
+        self.results: list[FaultResult] = []
+        self.fire_timeout_s = fire_timeout_s
+        self.stop_s = LOOPBACK_TIMEOUTS["allreduce_timeout_s"] / 2
+        self.incarnation = dict.fromkeys(SITES, 0)
+        self.spawned: dict[str, float] = {}  # site -> wall time of its current process's spawn
+        self.configs: dict[str, Path] = {}
+        self.restarts: list[tuple[str, float, int]] = []  # (site, spawn wall time, pid) after a fault
+
+    # ---- running ----
+
+    def start(self, hours: float = 24.0) -> None:
+        trace = write_trace(self.workdir / "green.csv", {"GREEN": [10.0] * int(hours)}, step_s=3600)
+        peers = self.swarm.bootstrap()
+        start_wall = time.time() + 12
+        for i, site in enumerate(SITES):
+            cfg = site_config(
+                site, "GREEN", trace, peers, self.workdir / site, speedup=SPEEDUP, start_wall=start_wall,
+                sync_s=SYNC_S, shard=i, shards=len(SITES), node={"progress_ttl_s": 4.0},
+            )  # fmt: skip
+            self.configs[site] = self.swarm.write_config(site, cfg)
+            self._spawn(site)
+
+    def _spawn(self, site: str) -> None:
+        fault = self.queue[site][0] if self.queue[site] else None
+        # the fault waits until the site has averaged once in this life: every restart is measured
+        # back to a round before the site falls again
+        env = {"GREENSWARM_FAULTS": f"after-rounds@1,{fault.plan}"} if fault else {}
+        name = f"{site}#{self.incarnation[site]}"
+        self.incarnation[site] += 1
+        self.spawned[site] = time.time()
+        self.swarm.node(name, self.configs[site], env=env)
+        self.current = getattr(self, "current", {})
+        self.current[site] = name
+
+    def run(self, timeout_s: float) -> None:
+        """Until every planned fault has happened (or ``timeout_s``); restart sites as they fall."""
+        deadline = time.monotonic() + timeout_s
+        while any(self.queue.values()) and time.monotonic() < deadline:
+            for site in SITES:
+                if self.queue[site]:
+                    self._watch(site)
+            time.sleep(0.1)
+
+    def _watch(self, site: str) -> None:
+        name = self.current[site]
+        proc = self.swarm.procs[name]
+        fault = self.queue[site][0]
+        age = time.time() - self.spawned[site]
+        if proc.poll() is not None:  # died at its point (or crashed: exit_code says which)
+            result = FaultResult(fault, fired=proc.returncode == -signal.SIGKILL, fired_after_s=age)
+            result.exit_code = proc.returncode
+            self._after_death(site, result)
+        elif _stopped(proc.pid):
+            self._after_stop(site, FaultResult(fault, fired=True, fired_after_s=age))
+        elif age > self.fire_timeout_s:  # the point never came up: kill from outside, say so
+            self.swarm.kill(name, signal.SIGKILL)
+            self._after_death(site, FaultResult(fault, fired=False, fired_after_s=age))
+
+    def _after_death(self, site: str, result: FaultResult) -> None:
+        name = self.current[site]
+        result.left_processes = _session_alive(self.swarm.procs[name].pid)
+        self.swarm.kill(name, signal.SIGKILL)  # reap (and clean up anything left, counted above)
+        result.checkpoint, result.resumed_outer_round, result.nan = inspect_checkpoints(self.workdir / site)
+        self._next(site, result)
+
+    def _after_stop(self, site: str, result: FaultResult) -> None:
+        name = self.current[site]
+        time.sleep(self.stop_s)  # frozen: the others must give up on it and go on
+        signal_site(self.swarm.procs[name].pid, signal.SIGCONT)  # the whole tree, as it was frozen
+        time.sleep(3 * SYNC_S / SPEEDUP)  # thawed: it must notice its rounds failed and rejoin
+        self.swarm.kill(name, signal.SIGTERM)  # then a clean stop (final checkpoint) and a restart
+        self.swarm.wait(name, timeout=60)
+        result.left_processes = _session_alive(self.swarm.procs[name].pid)
+        result.checkpoint, result.resumed_outer_round, result.nan = inspect_checkpoints(self.workdir / site)
+        self._next(site, result)
+
+    def _next(self, site: str, result: FaultResult) -> None:
+        self.results.append(result)
+        self.queue[site].pop(0)
+        self._spawn(site)
+        self.restarts.append((site, self.spawned[site], self.swarm.procs[self.current[site]].pid))
+
+    def finish(self, settle_s: float, back_timeout_s: float = 60.0) -> None:
+        """Wait until every restarted site has averaged again (or ``back_timeout_s``), let the swarm run
+        ``settle_s`` more without faults, then stop every site cleanly."""
+        deadline = time.monotonic() + back_timeout_s
+        while time.monotonic() < deadline and not self._all_back():
+            time.sleep(0.5)
+        time.sleep(settle_s)
+        for site in SITES:
+            self.swarm.kill(self.current[site], signal.SIGTERM)
+        for site in SITES:
+            self.swarm.wait(self.current[site], timeout=60)
+
+    def _all_back(self) -> bool:
+        for site in SITES:
+            pid = self.swarm.procs[self.current[site]].pid
+            entries = read_rounds(self.workdir / site / "rounds.jsonl")
+            if not any(e["pid"] == pid and len(e["members"]) > 1 for e in entries):
+                return False
+        return True
+
+    # ---- checking ----
+
+    def report(self) -> dict[str, Any]:
+        rounds = {site: read_rounds(self.workdir / site / "rounds.jsonl") for site in SITES}
+        self._restart_times(rounds)
+        states: dict[tuple[int, str], set[str]] = {}
+        for entries in rounds.values():
+            for e in entries:
+                if e["action"] in ("apply", "resync", "solo"):
+                    states.setdefault((e["outer_round"], e["lineage"]), set()).add(e["digest"])
+        diverged = sorted(f"{r}/{lineage}" for (r, lineage), d in states.items() if len(d) > 1)
+        federated = [e for entries in rounds.values() for e in entries if e["round_s"] is not None]
+        allreduce = [e["allreduce_s"] for e in federated if e["allreduce_s"] is not None]
+        restart = [r.restart_to_round_s for r in self.results if r.restart_to_round_s is not None]
+        final = {site: rounds[site][-1] if rounds[site] else None for site in SITES}
+        return {
+            "faults": [dict(asdict(r), fault=asdict(r.fault) | {"plan": r.fault.plan}) for r in self.results],
+            "fired": sum(r.fired for r in self.results),
+            "damaged_checkpoints": sum(s == "damaged" for r in self.results for s in r.checkpoint.values()),
+            "unrecoverable": sum(r.resumed_outer_round is None for r in self.results),
+            "nan": sum(r.nan for r in self.results),
+            "left_processes": sum(r.left_processes for r in self.results),
+            "states_checked": len(states),
+            "diverged": diverged,
+            "rounds": {a: sum(e["action"] == a for x in rounds.values() for e in x) for a in ACTIONS},
+            "max_allreduce_s": max(allreduce, default=None),
+            "allreduce_timeout_s": LOOPBACK_TIMEOUTS["allreduce_timeout_s"],
+            "max_round_s": max((e["round_s"] for e in federated), default=None),
+            "max_blocked_s": max((e["blocked_s"] for x in rounds.values() for e in x), default=None),
+            "restart_to_round_s": restart,
+            "median_restart_to_round_s": statistics.median(restart) if restart else None,
+            "final": {s: (e["outer_round"], e["digest"]) if e else None for s, e in final.items()},
+        }  # fmt: skip
+
+    def _restart_times(self, rounds: dict[str, list[dict[str, Any]]]) -> None:
+        """Each restart's time from respawn to its first round averaged with another site."""
+        for (site, spawned, pid), result in zip(self.restarts, self.results, strict=False):
+            back = [e for e in rounds[site] if e["pid"] == pid and e["action"] in ("apply", "resync")]
+            first = next((e for e in back if len(e["members"]) > 1), None)
+            if first is not None:
+                result.restart_to_round_s = round(first["wall_time"] - spawned, 2)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
+def dump(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,87 @@
+"""Every long-running command ends cleanly on SIGINT/SIGTERM, and nothing it started outlives it.
+
+All commands run at once (one swarm, real processes): a site node stopped with ``kill PID`` (SIGTERM to
+the node alone) and one with Ctrl-C (SIGINT to its whole process group), ``progress --watch``, the
+demo (whose sites live in sessions of their own) and a bootstrap peer, each with ``kill PID``. Each
+must exit by itself with a clean status, every process it had started (hivemind's helpers, p2pd
+daemons, the demo's site nodes) must be gone, and a node must leave its final checkpoint and summary.
+A node killed with SIGKILL -- the node's process alone, nothing can clean up -- must not leave its
+helpers behind either: they notice their parent is gone and end themselves and their daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from greenswarm.node.checkpoint import Checkpointer
+from tests.conftest import Swarm, site_config, wait_until, write_trace
+
+pytestmark = [pytest.mark.swarm, pytest.mark.faults]
+
+CLEAN = (0, 130)  # a finished command, or one interrupted (130: what a shell reports for Ctrl-C)
+
+
+def _alive(pids: list[int]) -> list[str]:
+    alive = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {proc.name()}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -> None:
+    peers = swarm.bootstrap("entry")
+    trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 24}, step_s=3600)
+    start = time.time() + 4
+    nodes = ("node-term", "node-int", "node-kill")
+    for i, name in enumerate(nodes):
+        cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_wall=start,
+                          sync_s=600.0, shard=i, shards=3)  # fmt: skip
+        swarm.node(name, swarm.write_config(name, cfg))
+    swarm.command("progress", "progress", "--initial-peers", *peers, "--swarm", "test", "--watch", "1")
+    swarm.command("demo", "demo", "--no-live", "--minutes", "3", "--workdir", str(tmp_path / "demo"))
+    swarm.bootstrap("other")
+
+    wait_until(lambda: all("first training step" in swarm.log(n) for n in nodes), 90, "the nodes to train")
+    wait_until(lambda: "node-term" in swarm.log("progress"), 60, "progress to list a site")
+    demo_logs = tmp_path / "demo" / "logs"
+    wait_until(
+        lambda: len([p for p in demo_logs.glob("*.log") if "joined swarm" in p.read_text()]) == 3,
+        90,
+        "the demo's sites to join",
+    )
+    started = {
+        name: [c.pid for c in psutil.Process(swarm.procs[name].pid).children(recursive=True)]
+        for name in (*nodes, "progress", "demo", "other")
+    }
+    assert all(started.values()), started  # each has helpers (and daemons) that must not be left
+
+    pid = swarm.procs
+    os.kill(pid["node-term"].pid, signal.SIGTERM)  # kill PID: the node alone gets it
+    swarm.kill("node-int", signal.SIGINT)  # Ctrl-C: the whole foreground group gets it
+    os.kill(pid["node-kill"].pid, signal.SIGKILL)  # the node alone, no chance to clean up
+    for name in ("progress", "demo", "other"):
+        os.kill(pid[name].pid, signal.SIGTERM)
+
+    for name in ("node-term", "node-int", "progress", "demo", "other"):
+        code = swarm.wait(name, timeout=60)
+        assert code in CLEAN, f"{name} exited with {code}:\n{swarm.log(name)[-2000:]}"
+    for name, pids in started.items():
+        wait_until(lambda pids=pids: not _alive(pids), 15, f"{name}'s processes to end: {_alive(pids)}")
+
+    for name in ("node-term", "node-int"):  # a clean stop writes the final checkpoint and summary
+        assert Checkpointer(tmp_path / name).load() is not None
+        assert (tmp_path / name / "summary.json").exists()
+        assert re.search(r"received SIG(TERM|INT): finishing cleanly", swarm.log(name))
+    assert not (tmp_path / "node-kill" / "summary.json").exists()
