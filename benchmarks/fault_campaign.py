@@ -55,20 +55,22 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 
-    print(f"{'#':>2} {'site':7} {'fault':22} {'fired':5} {'after':>6} {'checkpoint / prev':17} "
+    print(f"{'#':>2} {'site':7} {'fault':22} {'fired':5} {'after':>6} {'ckpt / prev / tmp':24} "
           f"{'resume':>6} {'nan':3} {'left':>4} {'back':>6}")  # fmt: skip
     for i, r in enumerate(report["faults"], 1):
-        ck = "/".join(r["checkpoint"].get(f, "?") for f in ("checkpoint.pt", "checkpoint.prev.pt"))
+        files = ("checkpoint.pt", "checkpoint.prev.pt", "checkpoint.pt.tmp")
+        ck = "/".join(r["checkpoint"].get(f, "?") for f in files)
         back = "-" if r["restart_to_round_s"] is None else f"{r['restart_to_round_s']:.1f}s"
         print(
             f"{i:>2} {r['fault']['site']:7} {r['fault']['plan']:22} {'yes' if r['fired'] else 'NO':5} "
-            f"{r['fired_after_s']:5.1f}s {ck:17} {r['resumed_outer_round']!s:>6} "
+            f"{r['fired_after_s']:5.1f}s {ck:24} {r['resumed_outer_round']!s:>6} "
             f"{'NaN' if r['nan'] else '-':3} {r['left_processes']:>4} {back:>6}"
         )
     print()
     print(f"faults fired at their point: {report['fired']}/{len(report['faults'])}")
     print(f"damaged checkpoints: {report['damaged_checkpoints']}, unrecoverable restarts: "
-          f"{report['unrecoverable']}, NaN: {report['nan']}, "
+          f"{report['unrecoverable']}, restarts not at their checkpoint: {report['resumed_otherwise']}, "
+          f"NaN: {report['nan']}, "
           f"processes left: {report['left_processes']}")  # fmt: skip
     print(f"global states checked: {report['states_checked']}, diverged: {len(report['diverged'])} "
           f"{report['diverged'] or ''}")  # fmt: skip
@@ -88,6 +90,7 @@ def main() -> int:
     ok = (
         report["fired"] == len(report["faults"])
         and not (report["damaged_checkpoints"] or report["unrecoverable"] or report["nan"])
+        and not report["resumed_otherwise"]
         and not report["diverged"]
         and not report["left_processes"]
     )

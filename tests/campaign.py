@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import time
@@ -69,6 +70,7 @@ class FaultResult:
     exit_code: int | None = None  # the dead site's exit status (-9: killed at its point)
     left_processes: int = 0  # processes of the dead site still alive after it died
     restart_to_round_s: float | None = None  # respawn -> first round averaged with others
+    resumed_as_saved: bool | None = None  # the restart resumed the outer step its checkpoint held
 
 
 def plan_faults(n: int, seed: int, stop_share: float = 0.25) -> list[Fault]:
@@ -251,6 +253,7 @@ class Campaign:
             "fired": sum(r.fired for r in self.results),
             "damaged_checkpoints": sum(s == "damaged" for r in self.results for s in r.checkpoint.values()),
             "unrecoverable": sum(r.resumed_outer_round is None for r in self.results),
+            "resumed_otherwise": sum(r.resumed_as_saved is False for r in self.results),
             "nan": sum(r.nan for r in self.results),
             "left_processes": sum(r.left_processes for r in self.results),
             "states_checked": len(states),
@@ -268,6 +271,9 @@ class Campaign:
     def _restart_times(self, rounds: dict[str, list[dict[str, Any]]]) -> None:
         """Each restart's time from respawn to its first round averaged with another site."""
         for (site, spawned, pid), result in zip(self.restarts, self.results, strict=False):
+            name = next(n for n, p in self.swarm.procs.items() if p.pid == pid)
+            resumed = re.search(r"resumed from \S+: outer step (\d+)", self.swarm.log(name))
+            result.resumed_as_saved = bool(resumed) and int(resumed.group(1)) == result.resumed_outer_round
             back = [e for e in rounds[site] if e["pid"] == pid and e["action"] in ("apply", "resync")]
             first = next((e for e in back if len(e["members"]) > 1), None)
             if first is not None:

@@ -31,6 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 #: programs' p2pd daemons on a shared machine)
 SESSIONS: set[int] = {os.getsid(0)}
 
+#: processes a harness started (directly or not) that outlived it: filled by :meth:`Swarm.close`,
+#: checked and emptied by the ``no_orphan_daemons`` fixture
+LEFT: list[str] = []
+
 
 def _p2pd_started_after(t0: float) -> list[psutil.Process]:
     found = []
@@ -59,8 +63,13 @@ def no_orphan_daemons() -> Iterator[None]:
         left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     for proc in left:
         proc.kill()
-    if left:
-        pytest.fail(f"{len(left)} p2pd daemon(s) left running after the test")
+    escaped = list(LEFT)
+    LEFT.clear()
+    if left or escaped:
+        pytest.fail(
+            f"left running after the test: {len(left)} p2pd daemon(s); "
+            f"{len(escaped)} process(es) that outlived their command: {escaped}"
+        )
 
 
 class Swarm:
@@ -177,6 +186,30 @@ class Swarm:
         return self.logs[name].read_text()
 
     def close(self) -> None:
+        """Stop every command (SIGTERM to its session, then SIGKILL) and record in :data:`LEFT` any
+        process it had started that is still alive afterwards -- also those outside its session, such
+        as torch's shared-memory manager, which starts a session of its own."""
+        started = []
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    started += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    pass
+        self._stop_all()
+        gone_by = time.monotonic() + 5
+        alive = [p for p in started if _alive(p)]
+        while alive and time.monotonic() < gone_by:
+            time.sleep(0.2)
+            alive = [p for p in alive if _alive(p)]
+        for proc in alive:
+            LEFT.append(f"{proc.pid} {proc.name()}")
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def _stop_all(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:
@@ -195,6 +228,13 @@ class Swarm:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ def test_sites_survive_kills_at_every_point(swarm: Swarm, tmp_path: Path) -> Non
     assert len(report["faults"]) == len(faults), summary
     assert report["fired"] == len(faults), json.dumps(report["faults"], indent=1)
     assert report["damaged_checkpoints"] == report["unrecoverable"] == report["nan"] == 0, summary
+    assert report["resumed_otherwise"] == 0, summary  # every restart resumed what its checkpoint held
     assert report["left_processes"] == 0, summary
     assert report["diverged"] == [], summary
     assert report["states_checked"] > 5, summary

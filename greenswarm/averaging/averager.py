@@ -2,9 +2,9 @@
 
 What it adds to hivemind, and why:
 
-* each round matches only sites in the same clock-aligned round slot *and* the same lineage (the
-  group key is derived from both), so a group never mixes pseudo-gradients taken against different
-  global parameters;
+* a round matches only sites in the same lineage (the group key is derived from it), so a group
+  never mixes pseudo-gradients taken against different global parameters; the round's slot is the
+  latest of the members' slots, which every member reads from the gathered metadata;
 * the expected group size is set per round from who is in a window now, so a full group starts at
   once instead of waiting out the matchmaking time;
 * the state it serves to newcomers is the site's global view (parameters + outer momentum + lineage),
@@ -67,6 +67,7 @@ class RoundOutcome:
     wire: str = ""  # the wire format the group chose
     residual: torch.Tensor | None = None  # what this site's coding left out of what it sent
     allreduce_s: float | None = None  # time in the all-reduce itself (None: no group formed)
+    slot: int = -1  # the group's round slot: the latest of its members' (all of them compute the same)
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -136,14 +137,15 @@ class SwarmAverager(DecentralizedAverager):
         expected_size: int,
         gather: dict[str, Any],
     ) -> RoundOutcome:
-        """All-reduce ``delta`` (weighted) with the group of this round slot and lineage."""
+        """All-reduce ``delta`` (weighted) with a group of sites on ``lineage``; ``round_index`` is this
+        site's round slot (the group's slot is the latest of its members', see :class:`RoundOutcome`)."""
         started = time.monotonic()
         control = None
         try:
             self._call(
                 "_configure_round",
                 wait_s=10.0,
-                bits=group_bits(round_index, lineage),
+                bits=group_bits(lineage),
                 target=max(2, min(expected_size, self._cfg.max_group_size)),
             )
             with self.get_tensors() as (buffer,):
@@ -152,7 +154,7 @@ class SwarmAverager(DecentralizedAverager):
             self._allreduce.zero_()
             offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
             control = self.step(
-                gather={**gather, "wire_offer": offer},
+                gather={**gather, "slot": round_index, "wire_offer": offer},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
                 allow_retries=True,
@@ -176,8 +178,11 @@ class SwarmAverager(DecentralizedAverager):
         allreduce_s, wire_bytes, chosen, _ = (float(v) for v in self._allreduce)
         if allreduce_s > 0 and wire_bytes > 0:
             self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
+        slots = [g.get("slot") for g in gathered.values() if isinstance(g, dict)]
+        slots = [s for s in slots if isinstance(s, int)]
         return RoundOutcome(
             True,
+            slot=max(slots, default=round_index),
             members=sorted(gathered),
             gathered=gathered,
             averaged=averaged,

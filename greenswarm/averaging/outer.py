@@ -106,8 +106,13 @@ def next_lineage(lineage: str, round_index: int, members: Sequence[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def group_bits(round_index: int, lineage: str, nbits: int = 24) -> str:
-    """Averaging-group key bits: only sites in the same round slot *and* lineage can match."""
-    digest = hashlib.sha256(f"{round_index}:{lineage}".encode()).digest()
+def group_bits(lineage: str, nbits: int = 24) -> str:
+    """Averaging-group key bits: only sites that hold the same global state (lineage) can match.
+
+    The round slot is deliberately *not* in the key: a site whose last attempt overran a slot would
+    otherwise look for its group one slot behind the others, and two sites could alternate slots
+    forever without meeting. The group's slot is agreed afterwards (the latest of its members').
+    """
+    digest = hashlib.sha256(f"lineage:{lineage}".encode()).digest()
     value = int.from_bytes(digest[:4], "big") >> (32 - nbits)
     return format(value, f"0{nbits}b")

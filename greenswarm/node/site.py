@@ -196,6 +196,8 @@ class SiteNode:
         outcome = verdict = None
         if state is FEDERATED:
             outcome = self._average(delta)
+            if outcome.ok:
+                self._slot = outcome.slot  # the group's slot: names the round the same for every member
             verdict = self._agree(outcome, delta) if outcome.ok else None
             if verdict is not None and verdict.action == "resync":
                 resynced = self._resync(outcome, verdict)
