@@ -33,10 +33,12 @@ rounds (visits before that are not counted): a restarted site proves it is back 
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +63,7 @@ class FaultPlan:
     actions: dict[str, str] = field(default_factory=dict)  # process point -> kill | stop
     site_pid: int = field(default_factory=os.getpid)  # the node's process: the root of the site
     after_rounds: int = 0  # count nothing until this process has taken part in this many rounds
+    record: str | None = None  # a JSON-lines file that gets one line per process fault, before it fires
     _visits: Counter = field(default_factory=Counter)
     # averaged rounds so far, shared with the forked averager process (whose points count too)
     _rounds: Any = field(default_factory=lambda: multiprocessing.Value("i", 0, lock=False))
@@ -130,9 +133,21 @@ class FaultPlan:
             return
         action = self.actions[point]
         log.warning("fault injected: %s at %s (visit %d)", action, point, self._visits[point])
+        if self.record:
+            self._write_record(action, point)
         for handler in logging.getLogger().handlers:  # the line must reach the log before the signal
             handler.flush()
         signal_site(self.site_pid, ACTIONS[action])
+
+
+    def _write_record(self, action: str, point: str) -> None:
+        line = {"action": action, "point": point, "visit": self._visits[point], "wall_time": time.time()}
+        try:
+            os.makedirs(os.path.dirname(self.record) or ".", exist_ok=True)
+            with open(self.record, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**line, "pid": self.site_pid}) + "\n")
+        except OSError as e:  # the fault fires all the same
+            log.warning("cannot record the fault in %s: %s", self.record, e)
 
 
 def signal_site(site_pid: int, sig: int) -> None:

@@ -55,15 +55,20 @@ def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:
     return len(children)
 
 
-def exit_with_parent(interval_s: float = 0.5) -> None:
+def exit_with_parent(interval_s: float = 0.5, on_orphaned: Callable[[], None] | None = None) -> None:
     """In a forked helper process (hivemind's DHT or averager): once the parent is gone -- killed with
     SIGKILL, say, so it could not shut its helpers down -- end this process's own children (the p2pd
-    daemon) and exit, instead of living on as an orphan holding ports and memory."""
+    daemon) and exit, instead of living on as an orphan holding ports and memory. With
+    ``on_orphaned``, call that instead (a node asks itself to stop cleanly)."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
+        if on_orphaned is not None:
+            log.warning("the supervising process is gone: stopping")
+            on_orphaned()
+            return
         reap_children(timeout=1.0)
         os._exit(1)
 
@@ -78,17 +83,28 @@ def _stop_signals() -> list[int]:
     return sigs
 
 
-def on_termination(callback: Callable[[], None]) -> None:
-    """Call ``callback`` on SIGINT/SIGTERM/SIGHUP (once; a second signal interrupts for real)."""
+def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) -> None:
+    """Call ``callback`` on SIGINT/SIGTERM/SIGHUP, once. A repeat within ``repeat_after_s`` is the same
+    stop arriving twice (Ctrl-C reaches a whole process group, and a supervisor passes it on too) and
+    is ignored; a later one interrupts for real."""
 
     owner = os.getpid()
+    first: list[float] = []
 
     def handler(signum: int, _frame: object) -> None:
         if os.getpid() != owner:  # a forked helper (hivemind's DHT/averager) inherited this: ignore it
             return  # its owner shuts it down, or it ends itself when the owner is gone (exit_with_parent)
+        if first:
+            if time.monotonic() - first[0] < repeat_after_s:
+                return
+            log.warning("received %s again: stopping now", signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(owner, signum)
+            return
+        first.append(time.monotonic())
         log.info("received %s: finishing cleanly", signal.Signals(signum).name)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         callback()
 
     for sig in _stop_signals():

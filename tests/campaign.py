@@ -146,9 +146,11 @@ class Campaign:
         peers = self.swarm.bootstrap()
         start_wall = time.time() + 12
         for i, site in enumerate(SITES):
+            # restart: never -- a fault here takes the whole site down, as a machine failure would
+            node = {"progress_ttl_s": 4.0, "restart": "never"}
             cfg = site_config(
                 site, "GREEN", trace, peers, self.workdir / site, speedup=SPEEDUP, start_wall=start_wall,
-                sync_s=SYNC_S, shard=i, shards=len(SITES), node={"progress_ttl_s": 4.0},
+                sync_s=SYNC_S, shard=i, shards=len(SITES), node=node,
             )  # fmt: skip
             self.configs[site] = self.swarm.write_config(site, cfg)
             self._spawn(site)
@@ -289,3 +291,42 @@ def _stopped(pid: int) -> bool:
 
 def dump(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=2))
+
+
+def supervised_restarts(swarm: Swarm, workdir: Path, duration_s: float, points: list[str]) -> dict[str, Any]:
+    """Three supervised sites (``node.restart: on-crash``) whose node processes die again and again --
+    each life ends at its ``points[i]`` fault once it has averaged -- while their supervisors fork
+    new ones. Returns each restart's seconds from the kill to averaging with others again."""
+    trace = write_trace(workdir / "green.csv", {"GREEN": [10.0] * 48}, step_s=3600)
+    peers = swarm.bootstrap()
+    start_wall = time.time() + 12
+    for i, site in enumerate(SITES):
+        node = {"progress_ttl_s": 4.0, "max_restarts": 10_000}
+        cfg = site_config(
+            site, "GREEN", trace, peers, workdir / site, speedup=SPEEDUP, start_wall=start_wall,
+            sync_s=SYNC_S, shard=i, shards=len(SITES), node=node,
+        )  # fmt: skip
+        point = points[i % len(points)]
+        visit = VISITS[point][0] if point != "step" else 40
+        plan = f"after-rounds@1,kill:{point}@{visit}"
+        swarm.node(site, swarm.write_config(site, cfg), env={"GREENSWARM_FAULTS": plan})
+    time.sleep(duration_s)
+    for site in SITES:
+        swarm.kill(site, signal.SIGTERM)
+    for site in SITES:
+        swarm.wait(site, timeout=60)
+    restarts = []
+    for site in SITES:
+        kills = read_rounds(workdir / site / "faults.jsonl")
+        rounds = [e for e in read_rounds(workdir / site / "rounds.jsonl") if len(e["members"]) > 1]
+        for kill in kills:
+            later = (e for e in rounds if e["pid"] != kill["pid"] and e["wall_time"] > kill["wall_time"])
+            back = next(later, None)
+            seconds = None if back is None else round(back["wall_time"] - kill["wall_time"], 2)
+            restarts.append({"site": site, "point": kill["point"], "seconds": seconds})
+    measured = [r["seconds"] for r in restarts if r["seconds"] is not None]
+    return {
+        "restarts": restarts,
+        "median_s": statistics.median(measured) if measured else None,
+        "measured": len(measured),
+    }

@@ -1,12 +1,14 @@
 """Every long-running command ends cleanly on SIGINT/SIGTERM, and nothing it started outlives it.
 
 All commands run at once (one swarm, real processes): a site node stopped with ``kill PID`` (SIGTERM to
-the node alone) and one with Ctrl-C (SIGINT to its whole process group), ``progress --watch``, the
-demo (whose sites live in sessions of their own) and a bootstrap peer, each with ``kill PID``. Each
-must exit by itself with a clean status, every process it had started (hivemind's helpers, p2pd
-daemons, the demo's site nodes) must be gone, and a node must leave its final checkpoint and summary.
-A node killed with SIGKILL -- the node's process alone, nothing can clean up -- must not leave its
-helpers behind either: they notice their parent is gone and end themselves and their daemon.
+its supervisor alone, which passes it on) and one with Ctrl-C (SIGINT to its whole process group),
+``progress --watch``, the demo (whose sites live in sessions of their own) and a bootstrap peer, each
+with ``kill PID``. Each must exit by itself with a clean status, every process it had started
+(hivemind's helpers, p2pd daemons, the demo's site nodes) must be gone, and a node must leave its
+final checkpoint and summary. Deaths without a word: a node killed with SIGKILL (``node.restart:
+never``, the node's process alone) must not leave its helpers behind -- they notice their parent is
+gone and end themselves and their daemon; a supervised node whose node process is killed is forked
+again at once and resumes from its checkpoint; a node whose supervisor is killed stops cleanly.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -
     peers = swarm.bootstrap("entry")
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 24}, step_s=3600)
     start = time.time() + 4
-    nodes = ("node-term", "node-int", "node-kill")
+    nodes = ("node-term", "node-int", "node-kill", "node-crash", "node-orphan")
     for i, name in enumerate(nodes):
+        restart = "never" if name == "node-kill" else "on-crash"
         cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_wall=start,
-                          sync_s=600.0, shard=i, shards=3)  # fmt: skip
+                          sync_s=600.0, shard=i, shards=len(nodes), node={"restart": restart})  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
     swarm.command("progress", "progress", "--initial-peers", *peers, "--swarm", "test", "--watch", "1")
     swarm.command("demo", "demo", "--no-live", "--minutes", "3", "--workdir", str(tmp_path / "demo"))
@@ -68,20 +71,30 @@ def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -
     assert all(started.values()), started  # each has helpers (and daemons) that must not be left
 
     pid = swarm.procs
-    os.kill(pid["node-term"].pid, signal.SIGTERM)  # kill PID: the node alone gets it
+    (crashed,) = psutil.Process(pid["node-crash"].pid).children()  # the node under its supervisor
+    crashed.kill()  # a crash: the supervisor forks a new node, which resumes from the checkpoint
+    wait_until(lambda: swarm.log("node-crash").count("first training step") == 2, 60, "the node's restart")
+    assert "the node died (SIGKILL); restarting it" in swarm.log("node-crash")
+    assert re.search(r"resumed from \S+checkpoint.pt", swarm.log("node-crash"))
+    orphaned = [c.pid for c in psutil.Process(pid["node-orphan"].pid).children(recursive=True)]
+    os.kill(pid["node-orphan"].pid, signal.SIGKILL)  # the supervisor: its node must stop by itself
+    os.kill(pid["node-term"].pid, signal.SIGTERM)  # kill PID: the supervisor passes it on
     swarm.kill("node-int", signal.SIGINT)  # Ctrl-C: the whole foreground group gets it
     os.kill(pid["node-kill"].pid, signal.SIGKILL)  # the node alone, no chance to clean up
     for name in ("progress", "demo", "other"):
         os.kill(pid[name].pid, signal.SIGTERM)
 
-    for name in ("node-term", "node-int", "progress", "demo", "other"):
+    os.kill(pid["node-crash"].pid, signal.SIGTERM)
+    for name in ("node-term", "node-int", "node-crash", "progress", "demo", "other"):
         code = swarm.wait(name, timeout=60)
         assert code in CLEAN, f"{name} exited with {code}:\n{swarm.log(name)[-2000:]}"
+    wait_until(lambda: not _alive(orphaned), 30, f"node-orphan's processes to end: {_alive(orphaned)}")
     for name, pids in started.items():
         wait_until(lambda pids=pids: not _alive(pids), 15, f"{name}'s processes to end: {_alive(pids)}")
 
-    for name in ("node-term", "node-int"):  # a clean stop writes the final checkpoint and summary
+    for name in ("node-term", "node-int", "node-crash", "node-orphan"):  # a clean stop: final files
         assert Checkpointer(tmp_path / name).load() is not None
         assert (tmp_path / name / "summary.json").exists()
-        assert re.search(r"received SIG(TERM|INT): finishing cleanly", swarm.log(name))
+        stopped = r"received SIG(TERM|INT): finishing cleanly|the supervising process is gone"
+        assert re.search(stopped, swarm.log(name))
     assert not (tmp_path / "node-kill" / "summary.json").exists()

@@ -76,6 +76,8 @@ class NodeConfig:
 
     Progress records are refreshed every ``progress_refresh_s`` wall seconds (and at every state
     change) and expire after ``progress_ttl_s``, so a dead site leaves the table by itself.
+    ``restart: on-crash`` keeps the imports in a supervisor process and forks a new node at once when
+    the node dies by a signal (see :mod:`greenswarm.node.supervisor`).
     """
 
     run_dir: str = "runs/site"
@@ -85,12 +87,19 @@ class NodeConfig:
     rejoin_s: float = 10.0  # how often to check that an initial peer is connected, and re-dial if not
     idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
     stop_at_trace_end: bool = True
+    restart: str = "on-crash"  # on-crash: fork a new node at once when it dies by a signal | never
+    max_restarts: int = 5  # more crashes than this within restart_window_s end the node (status 1)
+    restart_window_s: float = 600.0
     log_every_s: float = 10.0
     keep_globals: int = (
         0  # keep the global model of the last N outer steps in run_dir/globals (for inspection)
     )
 
     def validate(self) -> None:
+        if self.restart not in ("on-crash", "never"):
+            raise ConfigError(f"must be on-crash or never, got {self.restart!r}", field="restart")
+        if self.max_restarts < 0:
+            raise ConfigError(f"must be >= 0, got {self.max_restarts}", field="max_restarts")
         if self.keep_globals < 0:
             raise ConfigError(f"must be >= 0, got {self.keep_globals}", field="keep_globals")
         for name in (
@@ -100,6 +109,7 @@ class NodeConfig:
             "rejoin_s",
             "idle_wall_s",
             "log_every_s",
+            "restart_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)

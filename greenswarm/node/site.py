@@ -78,6 +78,7 @@ class SiteNode:
             start=self.clock.now(),
         )
         self.faults = FaultPlan.from_env()
+        self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
 
         # the site's state in the swarm

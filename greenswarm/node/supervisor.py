@@ -1,0 +1,125 @@
+"""Restart a crashed node at once, from a process that has already paid for the imports.
+
+A node killed by a signal it did not ask for -- the OOM killer, a segfault in a kernel, ``kill -9`` --
+must come back quickly: until it does, its window goes unused and its group is one site short.
+Starting a fresh Python costs about 5 s on a small machine before the first training step (torch,
+hivemind and transformers imports), more than the rest of a restart together. So ``greenswarm
+node`` runs as a small supervisor that imports everything once, then forks the node; when the node
+dies by a signal, the supervisor reaps whatever the node left behind (it is a child subreaper, so
+orphaned helpers and p2pd daemons are reparented to it) and forks a new node at once, which resumes
+from its checkpoint (``node.restart: on-crash``, the default).
+
+Only deaths by a signal are restarted. A node that *exits* -- done, stopped, or failed with an
+error that would recur (a bad config, a missing corpus) -- ends the supervisor with the same status.
+More than ``node.max_restarts`` crashes within ``node.restart_window_s`` end it too (status 1), so
+a crash loop is reported rather than hidden. SIGINT/SIGTERM/SIGHUP are passed to the node, which
+stops cleanly; the supervisor then exits with the node's status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from greenswarm.procs import reap_children
+
+log = logging.getLogger("greenswarm.supervisor")
+
+PR_SET_CHILD_SUBREAPER = 36
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to the node
+
+
+def become_subreaper() -> bool:
+    """Let orphaned descendants be reparented to this process (Linux), so it can reap them."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def supervise(
+    run_node: Callable[[], int],
+    max_restarts: int,
+    window_s: float,
+    preload: Callable[[], Any] | None = None,
+) -> int:
+    """Run ``run_node`` in a forked child and fork a new one whenever it dies by a signal.
+
+    ``preload`` runs once, here, before the first fork (imports); it must not start threads, which
+    a fork would not carry over.
+    """
+    if preload is not None:
+        preload()
+    become_subreaper()
+    stopping: list[int] = []
+    child = 0
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        if child:
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
+
+    crashes: list[float] = []
+    while True:
+        child = os.fork()
+        if child == 0:  # the node
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            code = 1
+            try:
+                code = run_node()
+            except BaseException:  # a crash: say where, as Python would have
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        status = _wait(child)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
+        if os.WIFEXITED(status):
+            return os.WEXITSTATUS(status)
+        signum = os.WTERMSIG(status)
+        if stopping:  # we were asked to stop and passed it on: the node is gone, so are we
+            return 128 + stopping[0]
+        now = time.monotonic()
+        crashes = [t for t in crashes if now - t < window_s] + [now]
+        if len(crashes) > max_restarts:
+            log.error(
+                "the node died (%s) %d times within %.0f s; not restarting it again",
+                signal.Signals(signum).name,
+                len(crashes),
+                window_s,
+            )
+            return 1
+        log.warning(
+            "the node died (%s); restarting it from its last checkpoint (%d of %d restarts in %.0f s)",
+            signal.Signals(signum).name,
+            len(crashes),
+            max_restarts,
+            window_s,
+        )
+
+
+def _wait(pid: int) -> int:
+    """The wait status of ``pid``, retrying when a forwarded signal interrupts the wait."""
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return status
+        except ChildProcessError:
+            return 0
+        except InterruptedError:
+            continue
