@@ -139,7 +139,6 @@ class FaultPlan:
             handler.flush()
         signal_site(self.site_pid, ACTIONS[action])
 
-
     def _write_record(self, action: str, point: str) -> None:
         line = {"action": action, "point": point, "visit": self._visits[point], "wall_time": time.time()}
         try:

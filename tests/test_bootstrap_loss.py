@@ -57,7 +57,10 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
         listed = json.loads(out.stdout) if out.returncode == 0 else []
         return sorted(r["site"] for r in listed) == sites
 
-    wait_until(both_listed, 40, f"both sites listed through the restarted bootstrap (last: {listed})")
+    try:
+        wait_until(both_listed, 40, "both sites listed through the restarted bootstrap")
+    except AssertionError as e:
+        raise AssertionError(f"{e} (last listed: {listed})") from None
     for name in sites:
         assert swarm.wait(name, timeout=120) == 0, swarm.log(name)[-3000:]
         summary = json.loads((tmp_path / name / "summary.json").read_text())

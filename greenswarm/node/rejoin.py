@@ -4,9 +4,9 @@ site again (issue #6, bootstrap loss).
 hivemind pings its initial peers once, at start. When the bootstrap peer dies and comes back (same
 identity, same address), it starts with an empty routing table and nobody dials it: sites that reach
 each other keep averaging, but the bootstrap -- and anyone who joins through it, like
-``greenswarm progress`` -- no longer finds them. :class:`EntryWatch` checks every ``period_s`` whether
-the site's daemon is connected to any initial peer; when it is not, it dials them and pings their
-DHT, which puts the site back in their routing tables. The check runs in the DHT's process and the
+``greenswarm progress`` -- no longer finds them. :class:`EntryWatch` pings the initial peers' DHT every
+``period_s`` (dialling them first when the site's daemon is not connected to them), which puts the
+site back in their routing tables. The check runs in the DHT's process and the
 node only looks at its result, so a dead bootstrap never stalls training.
 """
 
@@ -53,7 +53,7 @@ class EntryWatch:
 
 
 async def _check_and_redial(maddrs: list[str], _dht: Any, node: Any) -> tuple[bool, int]:
-    """Runs in the DHT process: (already connected to an initial peer?, how many answered a re-dial)."""
+    """Runs in the DHT process: (already connected to an initial peer?, how many answered a ping)."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
@@ -62,15 +62,17 @@ async def _check_and_redial(maddrs: list[str], _dht: Any, node: Any) -> tuple[bo
         addr = Multiaddr(text)
         wanted[PeerID.from_base58(addr["p2p"])] = addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))
     connected = {info.peer_id for info in await node.p2p.list_peers()}
-    if connected & set(wanted):
-        return True, 0
+    was_connected = bool(connected & set(wanted))
     answered = 0
     for peer, addr in wanted.items():
+        # ping even when connected: a connection can come back by itself (the bootstrap's address is in
+        # the daemon's peerstore) while the restarted bootstrap's routing table still lacks this site;
+        # a ping is what puts it back there
         try:
-            await node.p2p._client.connect(peer, [addr])
+            if peer not in connected:
+                await node.p2p._client.connect(peer, [addr])
+            if await node.protocol.call_ping(peer) is not None:
+                answered += 1
         except Exception as e:
             log.debug("re-dialling %s failed: %r", peer, e)
-            continue
-        if await node.protocol.call_ping(peer) is not None:
-            answered += 1
-    return False, answered
+    return was_connected, answered
