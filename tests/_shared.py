@@ -19,6 +19,15 @@ def _require() -> bool:
     return os.environ.get("GREENSWARM_REQUIRE_SHARED") == "1"
 
 
+def shared_available() -> bool:
+    """Whether ../shared/data is here (fails the test when it is required and missing)."""
+    if SHARED_DATA.resolve().is_dir():
+        return True
+    if _require():
+        pytest.fail(f"shared data not found at {SHARED_DATA.resolve()} (GREENSWARM_REQUIRE_SHARED=1)")
+    return False
+
+
 def shared_path(rel: str) -> Path:
     """Path of ``rel`` under ../shared/data; skips the test if that folder is absent (fails if required).
 
