@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from greenswarm.errors import ConfigError, SwarmError
-from greenswarm.procs import exit_with_parent
+from greenswarm.procs import exit_with_parent, reap_children
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -204,6 +204,11 @@ def relay_service_options() -> dict[str, Any]:
 JOIN_RETRY_DELAYS_S = (1.0, 3.0)
 
 
+#: how long a DHT process may take to come up (p2pd started, initial peers dialled) before the
+#: command gives up with an error instead of waiting forever, as hivemind would
+DHT_START_TIMEOUT_S = 60.0
+
+
 def start_dht(
     initial_peers: list[str],
     *,
@@ -237,9 +242,9 @@ def start_dht(
     delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
     while True:
         try:
-            return OwnedDHT(
+            dht = OwnedDHT(
                 initial_peers=initial_peers or None,
-                start=True,
+                start=False,
                 host_maddrs=host_maddrs,
                 announce_maddrs=announce_maddrs or None,
                 identity_path=identity_path,
@@ -248,6 +253,16 @@ def start_dht(
                 check_if_identity_free=False,  # hivemind's check reads RSA keys only; ours are Ed25519
                 **kwargs,
             )
+            try:
+                dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT_S)  # hivemind: forever
+            except TimeoutError:
+                if dht.is_alive():
+                    reap_children(timeout=1.0, pid=dht.pid)  # its p2pd
+                    dht.kill()
+                raise SwarmError(
+                    f"the DHT process did not start within {DHT_START_TIMEOUT_S:.0f} s; see the log above"
+                ) from None
+            return dht
         except P2PDaemonError as e:
             text = str(e)
             if "bootstrap" in text and delays:
