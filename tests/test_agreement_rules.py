@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from greenswarm.averaging.agreement import FAILED, decide, group_key, state_digest
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
+from greenswarm.node.round_log import RoundEntry, RoundLog, read_rounds
 
 pytestmark = pytest.mark.compression
 
@@ -79,7 +82,33 @@ def test_fault_plan_fires_on_the_named_visits() -> None:
     assert not FaultPlan.parse("").fires("corrupt-result")
 
 
-@pytest.mark.parametrize("text", ["explode@1", "corrupt-result@0", "corrupt-result@x"])
+def test_process_faults_wait_for_their_rounds_and_record_themselves(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    plan = FaultPlan.parse("after-rounds@1,kill:step@2,stop:allreduce@*")
+    assert plan.actions == {"step": "kill", "allreduce": "stop"} and plan.armed("step")
+    assert not plan.fires("step") and not plan.fires("step")  # held back: no averaged round yet
+    plan.round_done()
+    signals = []
+    monkeypatch.setattr("greenswarm.faults.signal_site", lambda pid, sig: signals.append((pid, sig)))
+    plan.record = str(tmp_path / "run" / "faults.jsonl")
+    plan.hit("step")
+    plan.hit("step")  # the second visit since the round: fires
+    assert signals == [(plan.site_pid, signal.SIGKILL)]
+    (line,) = (tmp_path / "run" / "faults.jsonl").read_text().splitlines()
+    assert '"point": "step"' in line and '"action": "kill"' in line
+
+
+def test_round_log_skips_a_torn_last_line(tmp_path) -> None:  # noqa: ANN001
+    log = RoundLog(tmp_path, started=0.0)
+    log.write(RoundEntry(slot=1, action="apply", outer_round=1, lineage="l", digest="d"))
+    with open(tmp_path / "rounds.jsonl", "a") as f:
+        f.write('{"slot": 2, "act')  # killed mid-write
+    (entry,) = read_rounds(tmp_path / "rounds.jsonl")
+    assert entry["action"] == "apply" and entry["pid"] > 0
+
+
+@pytest.mark.parametrize(
+    "text", ["explode@1", "corrupt-result@0", "corrupt-result@x", "kill:nowhere@1", "zap:step@1", "step@1"]
+)
 def test_fault_plan_errors_name_the_variable(text: str) -> None:
     with pytest.raises(ConfigError, match="GREENSWARM_FAULTS"):
         FaultPlan.parse(text)

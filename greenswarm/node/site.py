@@ -202,7 +202,8 @@ class SiteNode:
             verdict = self._agree(outcome, delta) if outcome.ok else None
             if verdict is not None and verdict.action == "resync":
                 resynced = self._resync(outcome, verdict)
-                self._log_round("resync" if resynced else "fail", began, outcome, verdict)
+                why = "" if resynced else "could not get the majority's state"
+                self._log_round("resync" if resynced else "fail", began, outcome, verdict, reason=why)
                 if resynced:
                     self.faults.round_done()
                 return
