@@ -24,6 +24,10 @@ how much training time would a grid give, and what would a policy emit?
   greenswarm simulate --trace mci.csv --regions CAISO_NORTH,SPP_TX,NEM_SA --work 17.78 --json
   greenswarm reproduce --events exp1_events.csv --trace mci.csv
 
+admission (who may join):
+  greenswarm swarm init --key authority.key
+  greenswarm swarm admit --key authority.key --site caiso-north --region CAISO_NORTH --peer-id 12D3Koo...
+
 everything on this machine, offline, in a few minutes:
   greenswarm demo
 """
@@ -260,6 +264,39 @@ def _parser() -> argparse.ArgumentParser:
         help="a loss-log pause longer than S is not training",
     )
     _add_trace_options(rep, interpolate="linear")
+
+    sw = sub.add_parser(
+        "swarm",
+        help="admission: create the swarm's authority key, issue membership certificates",
+        description="The swarm's authority signs a membership certificate for each admitted site, "
+        "binding its name and region to its libp2p peer id (the one its identity file proves) until "
+        "an expiry. Keep the authority key private (mode 0600); give sites the .pub file.",
+        epilog="example:\n  greenswarm swarm init --key authority.key --swarm greenswarm\n"
+        "  greenswarm swarm admit --key authority.key --site caiso-north --region CAISO_NORTH "
+        "--peer-id 12D3KooW... --expires 90d --out caiso-north.cert\n"
+        "  greenswarm swarm check --authority authority.key.pub caiso-north.cert",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    swsub = sw.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
+    init = swsub.add_parser("init", help="create the authority key (KEY, 0600) and its public half (KEY.pub)")
+    init.add_argument("--key", required=True, metavar="FILE", help="where to write the authority key")
+    admit = swsub.add_parser("admit", help="issue a membership certificate for one site")
+    admit.add_argument("--key", required=True, metavar="FILE", help="the authority key")
+    admit.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    admit.add_argument("--site", required=True, help="the site's name (its config's name)")
+    admit.add_argument("--region", required=True, help="the site's grid region (its config's region)")
+    admit.add_argument("--peer-id", required=True, metavar="ID", help="the site's libp2p peer id")
+    admit.add_argument(
+        "--expires", default="90d", metavar="WHEN", help="a duration (90d, 12h) or an ISO date (default 90d)"
+    )
+    admit.add_argument("--out", required=True, metavar="FILE", help="where to write the certificate (0600)")
+    check = swsub.add_parser("check", help="verify a certificate against the authority's public key")
+    check.add_argument("certificate", metavar="CERT")
+    check.add_argument("--authority", required=True, metavar="FILE", help="the authority's .pub (or key)")
+    check.add_argument("--swarm", help="also require this swarm name")
+    check.add_argument("--peer-id", metavar="ID", help="also require this peer id")
+    for action in (init, admit, check):
+        action.add_argument("--json", action="store_true", help="print the result as JSON")
     rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
@@ -397,6 +434,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             plot=args.plot,
             as_json=args.json,
         )
+    if args.command == "swarm":
+        from greenswarm.security.admin import run_swarm_command
+
+        return run_swarm_command(args)
     if args.command == "reproduce":
         from greenswarm.simulation.reproduce import run_reproduce
 

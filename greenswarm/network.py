@@ -99,6 +99,10 @@ class SwarmConfig:
     ``relay`` (through its initial peers' circuit relay; for sites behind NAT or a firewall that
     allows outbound connections only) or ``auto``: direct when the site announces an address, has a
     public IP to listen on, or the whole swarm is on this machine; relay otherwise.
+
+    ``certificate`` and ``authority``: the site's membership certificate and the swarm authority's
+    public key. The node checks at start that the certificate is valid for this swarm, this site's
+    name and region, and the peer id of ``identity`` (so both need a fixed identity file).
     """
 
     name: str = "greenswarm"
@@ -107,10 +111,20 @@ class SwarmConfig:
     announce_maddrs: list[str] = field(default_factory=list)
     identity: str | None = None
     reachability: str = "auto"
+    certificate: str | None = None  # this site's membership certificate (greenswarm swarm admit)
+    authority: str | None = None  # the swarm authority's public key (.pub) that signed it
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
             raise ConfigError(f"{self.name!r}: use 1-64 letters, digits, '-' or '_'", field="name")
+        if (self.certificate is None) != (self.authority is None):
+            missing = "authority" if self.authority is None else "certificate"
+            raise ConfigError("certificate and authority go together: set both or neither", field=missing)
+        if self.certificate and not self.identity:
+            raise ConfigError(
+                "a certificate binds one peer id, so the site needs a fixed identity file (swarm.identity)",
+                field="identity",
+            )
         check_peers(self.initial_peers, "initial_peers")
         for m in self.host_maddrs:
             check_maddr(m, "host_maddrs", need_peer_id=False)

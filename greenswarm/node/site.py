@@ -111,6 +111,7 @@ class SiteNode:
         self.eval_loss: float | None = None  # the global model's held-out loss at its last evaluation
         self.outer: OuterOptimizer | None = None
         self.rounds = RoundLog(cfg.node.run_dir, self.started)
+        self.membership = None  # this site's checked membership certificate, when it has one
         self.dht = self.averager = self.view = self.publisher = self.digests = self.entry = None
 
     # ------------------------------------------------------------------ public
@@ -449,6 +450,8 @@ class SiteNode:
         identity = cfg.swarm.identity
         if identity:
             load_or_create_identity(identity)
+        if cfg.swarm.certificate:
+            self._check_membership()
         self.reachability, why = resolve_reachability(cfg.swarm)
         how = "through a relay" if self.reachability == "relay" else "directly"
         self.log.info("joining the swarm %s: %s", how, why)
@@ -489,6 +492,31 @@ class SiteNode:
             self.world.world_size,
         )
         self._report(force=True)
+
+    def _check_membership(self) -> None:
+        """Refuse to start with a certificate that is not this site's, this swarm's, or valid now."""
+        from greenswarm.bootstrap.identity import read_identity
+        from greenswarm.security.certificates import CertificateError, load_authority_public, verify
+
+        swarm = self.cfg.swarm
+        membership = verify(
+            swarm.certificate,
+            load_authority_public(swarm.authority),
+            swarm=swarm.name,
+            peer_id=read_identity(swarm.identity),
+        )
+        if (membership.site, membership.region) != (self.cfg.name, self.cfg.region):
+            raise CertificateError(
+                f"{swarm.certificate}: issued to site {membership.site!r} in {membership.region!r}, "
+                f"but this config is {self.cfg.name!r} in {self.cfg.region!r}"
+            )
+        self.membership = membership
+        self.log.info(
+            "admitted to swarm '%s' until %s (certificate %s)",
+            swarm.name,
+            _fmt_clock(membership.expires),
+            swarm.certificate,
+        )
 
     def _resume(self) -> None:
         payload = self.checkpointer.load()

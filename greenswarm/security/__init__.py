@@ -1,0 +1,1 @@
+"""Swarm admission: authority keys and membership certificates (issue #7)."""

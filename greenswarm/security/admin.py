@@ -1,0 +1,54 @@
+"""``greenswarm swarm init|admit|check``: the operator's side of admission."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+from greenswarm.security.certificates import (
+    create_authority,
+    issue,
+    load_authority_public,
+    parse_validity,
+    verify,
+)
+
+
+def run_swarm_command(args: argparse.Namespace) -> int:
+    if args.swarm_command == "init":
+        key, public = create_authority(args.key)
+        result = {"key": str(key), "public": str(public)}
+        text = f"authority key: {key} (keep it private)\ngive sites its public half: {public}"
+    elif args.swarm_command == "admit":
+        membership = issue(
+            args.key,
+            swarm=args.swarm,
+            site=args.site,
+            region=args.region,
+            peer_id=args.peer_id,
+            valid_s=parse_validity(args.expires),
+            out=args.out,
+        )
+        result = {"certificate": args.out, **asdict(membership)}
+        until = _stamp(membership.expires)
+        text = f"{args.out}: {membership.site} ({membership.region}) admitted until {until}"
+    else:
+        membership = verify(
+            args.certificate,
+            load_authority_public(args.authority),
+            swarm=args.swarm,
+            peer_id=args.peer_id,
+        )
+        result = {"valid": True, **asdict(membership)}
+        text = (
+            f"{args.certificate}: valid; {membership.site} ({membership.region}) in swarm "
+            f"'{membership.swarm}', peer {membership.peer_id}, until {_stamp(membership.expires)}"
+        )
+    print(json.dumps(result) if args.json else text)
+    return 0
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))

@@ -1,0 +1,256 @@
+"""Swarm admission: an authority key, and membership certificates that bind a site to its peer id.
+
+greenswarm has no central server to hand out tokens, so admission is carried by signatures. Whoever
+runs a swarm creates an **authority** (``greenswarm swarm init``): an Ed25519 key pair. The private
+half stays with the operator (mode 0600); the public half (``*.pub``) goes to every site. For each
+site the operator issues a **membership certificate** (``greenswarm swarm admit``) that binds the
+site's name and grid region to its libp2p peer id -- the id its identity file proves -- for a
+limited time. A certificate is a small JSON file: the signed fields, and an Ed25519 signature over
+their canonical encoding.
+
+A certificate is valid for a peer when the signature verifies with the swarm's authority key, the
+swarm name matches, the peer id is the peer's own, and the current time is inside ``[issued,
+expires)``. Every refusal says which of these failed (:class:`CertificateError`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from greenswarm.errors import GreenswarmError
+
+FORMAT = "greenswarm-membership/1"
+PUBLIC_SUFFIX = ".pub"
+
+
+class CertificateError(GreenswarmError):
+    """A key or certificate is missing, unreadable, forged, expired or not this peer's."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The signed fields of a membership certificate."""
+
+    swarm: str
+    site: str
+    region: str
+    peer_id: str
+    issued: float  # unix seconds
+    expires: float  # unix seconds
+    authority: str  # fingerprint of the authority's public key (which key signed it)
+    format: str = FORMAT
+
+    def canonical(self) -> bytes:
+        """The exact bytes that are signed: sorted keys, no whitespace."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically with mode 0600 (never readable by others, even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def fingerprint(public_raw: bytes) -> str:
+    """A short, stable name for an authority public key (hex of its first 8 bytes of SHA-256)."""
+    import hashlib
+
+    return hashlib.sha256(public_raw).hexdigest()[:16]
+
+
+def create_authority(path: str | Path) -> tuple[Path, Path]:
+    """Create an authority key at ``path`` (0600) and its public half at ``path.pub``; refuse to
+    overwrite an existing key (losing it would orphan every certificate it signed)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = Path(path)
+    if path.exists():
+        raise CertificateError(f"{path}: an authority key is already there; refusing to overwrite it")
+    key = ed25519.Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    _write_private(path, private_pem)
+    public = path.with_name(path.name + PUBLIC_SUFFIX)
+    public.write_bytes(public_pem)
+    return path, public
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CertificateError(f"{path}: no such {what} file") from None
+    except OSError as e:
+        raise CertificateError(f"{path}: cannot read {what} file: {e.strerror}") from None
+
+
+def load_authority(path: str | Path):  # noqa: ANN201  (an Ed25519PrivateKey; cryptography is imported lazily)
+    """The authority's private key from ``path``; errors name the file."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = Path(path)
+    blob = _read(path, "authority key")
+    try:
+        key = serialization.load_pem_private_key(blob, password=None)
+    except (ValueError, TypeError):
+        raise CertificateError(f"{path}: not a PEM private key (corrupted authority key?)") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise CertificateError(f"{path}: expected an Ed25519 authority key, got {type(key).__name__}")
+    return key
+
+
+def load_authority_public(path: str | Path):  # noqa: ANN201  (an Ed25519PublicKey)
+    """The authority's public key from a ``.pub`` file (or from the private key file itself)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = Path(path)
+    blob = _read(path, "authority public key")
+    if b"PRIVATE KEY" in blob:
+        return load_authority(path).public_key()
+    try:
+        key = serialization.load_pem_public_key(blob)
+    except (ValueError, TypeError):
+        raise CertificateError(f"{path}: not a PEM public key (corrupted authority key?)") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise CertificateError(f"{path}: expected an Ed25519 public key, got {type(key).__name__}")
+    return key
+
+
+def _raw(public) -> bytes:  # noqa: ANN001
+    from cryptography.hazmat.primitives import serialization
+
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def issue(
+    authority_path: str | Path,
+    *,
+    swarm: str,
+    site: str,
+    region: str,
+    peer_id: str,
+    valid_s: float,
+    out: str | Path,
+    now: float | None = None,
+) -> Membership:
+    """Sign a membership certificate for ``site`` and write it to ``out`` (0600)."""
+    from hivemind.p2p import PeerID
+
+    try:
+        raw = PeerID.from_base58(peer_id).to_bytes()
+    except Exception:
+        raw = b""
+    if len(raw) < 34 or raw[:1] not in (b"\x00", b"\x12"):  # an identity or sha2-256 multihash
+        raise CertificateError(f"--peer-id: {peer_id!r} is not a libp2p peer id (12D3KooW...)")
+    if not valid_s > 0:
+        raise CertificateError(f"--expires: the certificate must be valid for some time, got {valid_s} s")
+    key = load_authority(authority_path)
+    issued = time.time() if now is None else now
+    membership = Membership(
+        swarm=swarm,
+        site=site,
+        region=region,
+        peer_id=peer_id,
+        issued=issued,
+        expires=issued + valid_s,
+        authority=fingerprint(_raw(key.public_key())),
+    )
+    signature = base64.b64encode(key.sign(membership.canonical())).decode()
+    blob = json.dumps({"membership": asdict(membership), "signature": signature}, indent=2) + "\n"
+    _write_private(Path(out), blob.encode())
+    return membership
+
+
+def read_certificate(path: str | Path) -> tuple[Membership, bytes]:
+    """The fields and signature of a certificate file (not yet verified); errors name the file."""
+    path = Path(path)
+    blob = _read(path, "certificate")
+    try:
+        data = json.loads(blob)
+        membership = Membership(**data["membership"])
+        signature = base64.b64decode(data["signature"], validate=True)
+    except (ValueError, KeyError, TypeError):
+        raise CertificateError(f"{path}: not a greenswarm membership certificate (corrupted?)") from None
+    if membership.format != FORMAT:
+        raise CertificateError(f"{path}: unknown certificate format {membership.format!r}")
+    return membership, signature
+
+
+def verify(
+    path: str | Path,
+    authority_public,  # noqa: ANN001  (an Ed25519PublicKey)
+    *,
+    swarm: str | None = None,
+    peer_id: str | None = None,
+    now: float | None = None,
+) -> Membership:
+    """Check a certificate; return its fields, or raise :class:`CertificateError` saying what failed."""
+    from cryptography.exceptions import InvalidSignature
+
+    membership, signature = read_certificate(path)
+    if membership.authority != fingerprint(_raw(authority_public)):
+        raise CertificateError(
+            f"{path}: signed by another authority ({membership.authority}), "
+            f"not this swarm's ({fingerprint(_raw(authority_public))})"
+        )
+    try:
+        authority_public.verify(signature, membership.canonical())
+    except InvalidSignature:
+        raise CertificateError(
+            f"{path}: the signature does not match the contents (forged or edited)"
+        ) from None
+    if swarm is not None and membership.swarm != swarm:
+        raise CertificateError(f"{path}: issued for swarm {membership.swarm!r}, not {swarm!r}")
+    if peer_id is not None and membership.peer_id != peer_id:
+        raise CertificateError(
+            f"{path}: issued to peer {membership.peer_id}, but this peer is {peer_id} "
+            "(a certificate belongs to one identity file)"
+        )
+    now = time.time() if now is None else now
+    if now < membership.issued:
+        raise CertificateError(f"{path}: not valid yet (issued for {_stamp(membership.issued)})")
+    if now >= membership.expires:
+        raise CertificateError(f"{path}: expired at {_stamp(membership.expires)}; ask for a new one")
+    return membership
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def parse_validity(text: str) -> float:
+    """``--expires``: a duration (``30d``, ``12h``, ``90m``) or an ISO date; seconds from now."""
+    from datetime import UTC, datetime
+
+    text = text.strip()
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return float(text[:-1]) * units[text[-1]]
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise CertificateError(
+            f"--expires: {text!r} is neither a duration (30d, 12h, 90m) nor an ISO date (2027-01-31)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp() - time.time()
