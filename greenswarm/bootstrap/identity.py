@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 from greenswarm.errors import GreenswarmError
+from greenswarm.private_files import write_private
 
 _ED25519_SEED = 32
 
@@ -36,15 +37,7 @@ def _generate(path: Path) -> None:
     )
     public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + public).SerializeToString()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, blob)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)  # atomic: a crash never leaves a half-written identity behind
+    write_private(path, blob)
 
 
 def read_identity(path: str | Path) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict
 
 from greenswarm.security.certificates import (
@@ -12,6 +11,7 @@ from greenswarm.security.certificates import (
     issue,
     load_authority_public,
     parse_validity,
+    stamp,
     verify,
 )
 
@@ -32,7 +32,7 @@ def run_swarm_command(args: argparse.Namespace) -> int:
             out=args.out,
         )
         result = {"certificate": args.out, **asdict(membership)}
-        until = _stamp(membership.expires)
+        until = stamp(membership.expires)
         text = f"{args.out}: {membership.site} ({membership.region}) admitted until {until}"
     else:
         membership = verify(
@@ -44,11 +44,7 @@ def run_swarm_command(args: argparse.Namespace) -> int:
         result = {"valid": True, **asdict(membership)}
         text = (
             f"{args.certificate}: valid; {membership.site} ({membership.region}) in swarm "
-            f"'{membership.swarm}', peer {membership.peer_id}, until {_stamp(membership.expires)}"
+            f"'{membership.swarm}', peer {membership.peer_id}, until {stamp(membership.expires)}"
         )
     print(json.dumps(result) if args.json else text)
     return 0
-
-
-def _stamp(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from greenswarm.errors import GreenswarmError
+from greenswarm.private_files import write_private
 
 FORMAT = "greenswarm-membership/1"
 PUBLIC_SUFFIX = ".pub"
@@ -50,19 +50,6 @@ class Membership:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically with mode 0600 (never readable by others, even briefly)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def fingerprint(public_raw: bytes) -> str:
     """A short, stable name for an authority public key (hex of its first 8 bytes of SHA-256)."""
     import hashlib
@@ -86,7 +73,7 @@ def create_authority(path: str | Path) -> tuple[Path, Path]:
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    _write_private(path, private_pem)
+    write_private(path, private_pem)
     public = path.with_name(path.name + PUBLIC_SUFFIX)
     public.write_bytes(public_pem)
     return path, public
@@ -176,7 +163,7 @@ def issue(
     )
     signature = base64.b64encode(key.sign(membership.canonical())).decode()
     blob = json.dumps({"membership": asdict(membership), "signature": signature}, indent=2) + "\n"
-    _write_private(Path(out), blob.encode())
+    write_private(Path(out), blob.encode())
     return membership
 
 
@@ -227,13 +214,14 @@ def verify(
         )
     now = time.time() if now is None else now
     if now < membership.issued:
-        raise CertificateError(f"{path}: not valid yet (issued for {_stamp(membership.issued)})")
+        raise CertificateError(f"{path}: not valid yet (issued for {stamp(membership.issued)})")
     if now >= membership.expires:
-        raise CertificateError(f"{path}: expired at {_stamp(membership.expires)}; ask for a new one")
+        raise CertificateError(f"{path}: expired at {stamp(membership.expires)}; ask for a new one")
     return membership
 
 
-def _stamp(t: float) -> str:
+def stamp(t: float) -> str:
+    """A certificate time as people read it (UTC)."""
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
 
