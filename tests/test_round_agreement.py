@@ -42,8 +42,11 @@ def _round(averagers: list[SwarmAverager], deltas: list[torch.Tensor], weights: 
 
     def one(i: int) -> None:
         outcomes[i] = averagers[i].average(
-            deltas[i], weights[i], round_index=index, lineage="l", expected_size=len(averagers), gather={}
-        )
+            # each round from its own global state, as a node's lineage changes with every applied round
+            # (groups are keyed by lineage: two rounds on one lineage could mix a straggler of the first)
+            deltas[i], weights[i], round_index=index, lineage=f"l{index}", expected_size=len(averagers),
+            gather={},
+        )  # fmt: skip
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(averagers))]
     for t in threads:
