@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
     boot.add_argument(
+        "--authority",
+        metavar="KEY.pub",
+        help="the swarm authority's public key: store only records of certified members (required "
+        "for a certified swarm, see docs/security.md)",
+    )
+    boot.add_argument(
         "--no-relay",
         action="store_true",
         help="do not relay for sites behind NAT (by default the bootstrap carries their connections)",
@@ -117,6 +123,12 @@ def _parser() -> argparse.ArgumentParser:
         "--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs"
     )
     prog.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    prog.add_argument(
+        "--authority",
+        metavar="KEY.pub",
+        help="the swarm authority's public key: show only records of certified members (a certified "
+        "swarm signs its records, so without it they cannot be read)",
+    )
     prog.add_argument("--json", action="store_true", help="print records as JSON")
     prog.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
 
@@ -364,6 +376,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                     "swarm": args.swarm,
                     "initial_peers": args.initial_peers,
                     "relay": not args.no_relay,
+                    "authority": args.authority,
                 },
                 source="arguments",
             )
@@ -380,7 +393,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.node.progress_view import show_progress
 
         peers = check_peers(args.initial_peers, "--initial-peers")
-        return show_progress(peers, args.swarm, as_json=args.json, watch=args.watch)
+        return show_progress(peers, args.swarm, as_json=args.json, watch=args.watch, authority=args.authority)
     if args.command == "demo":
         from greenswarm.demo import DemoOptions, run_demo
 

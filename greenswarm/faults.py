@@ -12,6 +12,9 @@ Behavioural faults, ``POINT@N``:
   group's digest check must expose it and the site must resynchronize.
 * ``withhold-digest`` -- after a round, publish no digest (a member that died right after the
   all-reduce): the others must decide by majority without it.
+* ``poison-nan`` / ``poison-scale`` -- send NaN, or 1000x this site's pseudo-gradient, in place of
+  it, while claiming the clean one's norm: a broken or malicious member. The group's reducers must
+  refuse it before it is averaged (docs/security.md).
 
 Process faults, ``ACTION:POINT@N`` with ACTION ``kill`` (SIGKILL) or ``stop`` (SIGSTOP), applied to
 the *whole site* at once -- the node, its hivemind processes and their p2pd daemons -- as when a
@@ -50,7 +53,7 @@ from greenswarm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV = "GREENSWARM_FAULTS"
-BEHAVIOURS = ("corrupt-result", "withhold-digest")
+BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale")
 PROCESS_POINTS = ("step", "matchmaking", "allreduce", "checkpoint", "serve-state")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

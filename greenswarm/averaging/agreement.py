@@ -82,12 +82,15 @@ class DigestBoard:
     """Publishes this member's digest and collects the group's, on the swarm's DHT.
 
     Records live for ``ttl_s`` seconds; each member writes one sub-key (its peer id), so a late member
-    never overwrites another's vote.
+    never overwrites another's vote. A member whose reducer refused a groupmate's update says so in
+    its record, so every member learns of it (one member may have reduced the whole vector):
+    :attr:`heard_refused` holds what the others reported in the last exchange.
     """
 
     def __init__(self, dht: Any, swarm: str, peer_id: str, ttl_s: float = 600.0, poll_s: float = 0.1):
         self.dht, self.swarm, self.peer_id = dht, swarm, peer_id
         self.ttl_s, self.poll_s = ttl_s, poll_s
+        self.heard_refused: dict[str, str] = {}  # refused peer -> why, as other members reported it
 
     def exchange(
         self,
@@ -97,12 +100,18 @@ class DigestBoard:
         digest: str,
         timeout_s: float,
         publish: bool = True,
+        refused: dict[str, str] | None = None,
     ) -> dict[str, str]:
-        """Publish ``digest`` and return every member's published digest seen within ``timeout_s``
-        (``publish=False`` only reads: a fault hook for a member whose record was lost)."""
+        """Publish ``digest`` (and the updates this member ``refused``) and return every member's
+        published digest seen within ``timeout_s`` (``publish=False`` only reads: a fault hook for a
+        member whose record was lost)."""
         from hivemind.utils import get_dht_time
 
         key = group_key(self.swarm, round_index, lineage, members)
+        value: Any = digest
+        if refused:
+            value = {"digest": digest, "refused": {p: why[:200] for p, why in refused.items()}}
+        self.heard_refused = {}
         deadline = time.monotonic() + timeout_s
         stored = not publish
         published: dict[str, str] = {}
@@ -110,7 +119,7 @@ class DigestBoard:
             if not stored:
                 try:
                     stored = bool(
-                        self.dht.store(key, digest, get_dht_time() + self.ttl_s, subkey=self.peer_id)
+                        self.dht.store(key, value, get_dht_time() + self.ttl_s, subkey=self.peer_id)
                     )
                 except Exception as e:  # a DHT hiccup: try again until the deadline
                     log.debug("storing the round digest failed: %r", e)
@@ -132,6 +141,11 @@ class DigestBoard:
         out = {}
         for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)
+            if isinstance(value, dict) and subkey in members and subkey != self.peer_id:
+                reported = value.get("refused")
+                if isinstance(reported, dict):
+                    self.heard_refused.update({str(p): str(why) for p, why in reported.items()})
+                value = value.get("digest")
             if subkey in members and isinstance(value, str) and len(value) <= 64:
                 out[str(subkey)] = value
         return out

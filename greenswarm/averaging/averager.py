@@ -14,17 +14,23 @@ What it adds to hivemind, and why:
   the same bits (so a digest can prove agreement), and a part that was not averaged fails the round
   instead of leaving local values in a slice of the result;
 * every timeout is set (hivemind's all-reduce defaults wait forever), and every failure comes back as
-  a :class:`RoundOutcome` with a reason instead of an exception or a silent partial result.
+  a :class:`RoundOutcome` with a reason instead of an exception or a silent partial result;
+* in a certified swarm (``admission``) only members take part: a join request, a group and a state
+  download from a peer without a valid membership certificate are refused (docs/security.md);
+* poisoned updates (NaN/Inf, or a norm far outside the group's) are refused before they are
+  averaged (:mod:`greenswarm.averaging.screening`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import multiprocessing
 import signal
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +40,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -44,9 +50,12 @@ from greenswarm.averaging.codecs import WIRE_FORMATS, wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
+from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
 from greenswarm.procs import exit_with_parent
+from greenswarm.security.admission import Admission
+from greenswarm.security.certificates import CertificateError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,7 @@ class RoundOutcome:
     residual: torch.Tensor | None = None  # what this site's coding left out of what it sent
     allreduce_s: float | None = None  # time in the all-reduce itself (None: no group formed)
     slot: int = -1  # the group's round slot: the latest of its members' (all of them compute the same)
+    refused: dict[str, str] = field(default_factory=dict)  # peer -> why its update was not averaged in
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -82,8 +92,15 @@ class SwarmAverager(DecentralizedAverager):
         state_provider: StateProvider,
         client_mode: bool = False,
         faults: FaultPlan | None = None,
+        admission: Admission | None = None,
+        members: Callable[[], Any] | None = None,
     ):
         self._cfg = cfg
+        self._admission = admission  # None: an open swarm, anyone may average
+        # (async, in the averager process) the peer ids of members that published a record: who may
+        # download the state without having shown a certificate in a group yet
+        self._members = members
+        self._certified: dict[str, float] = {}  # peer -> certificate expiry, from checked certificates
         self._state_provider = state_provider
         self._faults = faults or FaultPlan()  # copied into the averager process by the fork
         # written by the averager process during a round, read here after it (shared before the fork)
@@ -92,6 +109,8 @@ class SwarmAverager(DecentralizedAverager):
         # all-reduce began (CLOCK_MONOTONIC is system-wide, so it compares across processes)
         self._allreduce = torch.zeros(4, dtype=torch.float64).share_memory_()
         self._refusal = multiprocessing.Array(ctypes.c_char, 1024, lock=False)  # why a group was refused
+        # groupmates' updates this site's reducer refused in the current round (JSON: peer -> why)
+        self._refused_parts = multiprocessing.Array(ctypes.c_char, 4096, lock=False)
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
         super().__init__(
@@ -148,13 +167,16 @@ class SwarmAverager(DecentralizedAverager):
                 bits=group_bits(lineage),
                 target=max(2, min(expected_size, self._cfg.max_group_size)),
             )
+            norm = update_norm(delta)  # the claim every reducer holds this site's parts to
             with self.get_tensors() as (buffer,):
-                buffer.copy_(delta)
+                buffer.copy_(self._poisoned(delta))
             self._refusal.value = b""
+            self._refused_parts.value = b""
             self._allreduce.zero_()
             offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
+            shown = {"certificate": self._admission.certificate} if self._admission is not None else {}
             control = self.step(
-                gather={**gather, "slot": round_index, "wire_offer": offer},
+                gather={**gather, **shown, "slot": round_index, "wire_offer": offer, "norm": norm},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
                 allow_retries=True,
@@ -175,6 +197,12 @@ class SwarmAverager(DecentralizedAverager):
         if not torch.isfinite(averaged).all():
             return self._failed("averaged vector has NaN/Inf", started)
         gathered = {str(peer): data for peer, data in result.items()}
+        refused = screen_claims(gathered, self._cfg.max_norm_ratio)  # as every member computed it
+        admitted = sorted(peer for peer in gathered if peer not in refused)
+        poisoned = within_claims(averaged, [float(gathered[peer]["norm"]) for peer in admitted])
+        if poisoned is not None:
+            return self._failed(poisoned, started)
+        refused.update(self._parts_refused())
         allreduce_s, wire_bytes, chosen, _ = (float(v) for v in self._allreduce)
         if allreduce_s > 0 and wire_bytes > 0:
             self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
@@ -183,7 +211,8 @@ class SwarmAverager(DecentralizedAverager):
         return RoundOutcome(
             True,
             slot=max(slots, default=round_index),
-            members=sorted(gathered),
+            members=admitted,
+            refused=refused,
             gathered=gathered,
             averaged=averaged,
             seconds=time.monotonic() - started,
@@ -191,6 +220,25 @@ class SwarmAverager(DecentralizedAverager):
             residual=self._residual.clone(),
             allreduce_s=self._allreduce_seconds(),
         )
+
+    def _poisoned(self, delta: torch.Tensor) -> torch.Tensor:
+        """The ``poison-nan`` and ``poison-scale`` faults: send NaN, or 1000x the update, while claiming
+        the clean update's norm (what a broken or malicious member would do)."""
+        if self._faults.fires("poison-nan"):
+            log.warning("fault injected: poison-nan (this site sends NaN as its update)")
+            return torch.full_like(delta, float("nan"))
+        if self._faults.fires("poison-scale"):
+            log.warning("fault injected: poison-scale (this site sends 1000x its update)")
+            return delta * 1000
+        return delta
+
+    def _parts_refused(self) -> dict[str, str]:
+        """Groupmates whose parts this site's reducer refused in the round just ended."""
+        raw = self._refused_parts.value
+        try:
+            return dict(json.loads(raw)) if raw else {}
+        except ValueError:  # cut off at the buffer's end: keep what names the peers
+            return {"(several peers)": raw.decode(errors="replace")[:200]}
 
     def _round_bound_s(self) -> float:
         """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
@@ -239,12 +287,15 @@ class SwarmAverager(DecentralizedAverager):
         tensors are *replaced* by the group's average (hivemind adds a difference to them)."""
         group_id = group_info.group_id if group_id is None else group_id
         self._allreduce[3] = time.monotonic()
+        users = self._gathered_users(group_info)
         try:
-            fmt = choose_wire(self._gathered_offers(group_info), sum(t.numel() for t in tensors))
-        except WireMismatch as e:
+            self._check_members(users)
+            fmt = choose_wire(offers_of(users), sum(t.numel() for t in tensors))
+        except (WireMismatch, CertificateError) as e:
             log.error("refusing to average with this group: %s", e)
             self._refusal.value = str(e).encode()[:1000]
             raise
+        kwargs.update(self._screened(group_info, users, kwargs["peer_fractions"]))
         # error feedback needs the residual of exactly what goes on the wire: code the whole vector
         # once here (hivemind's parts start on block boundaries, so coding them again changes nothing)
         started = time.monotonic()  # coding is part of the round's cost
@@ -261,6 +312,7 @@ class SwarmAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             faults=self._faults,
+            on_refused=self._refuse_part,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)  # lets groupmates' part requests reach it
@@ -278,16 +330,116 @@ class SwarmAverager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _gathered_offers(self, group_info: Any) -> dict[str, Any]:
-        """Each member's wire offer from the metadata hivemind gathered for this group."""
+    def _gathered_users(self, group_info: Any) -> list[tuple[str, Any]]:
+        """Each member's own gathered metadata (None for a member that gathered something else)."""
         users = []
         for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:
                 _bandwidth, _mode, user_bytes = self.serializer.loads(blob)
                 users.append((str(peer), self.serializer.loads(user_bytes)))
-            except Exception:  # a member that gathered something else: choose_wire names it
+            except Exception:  # a member that gathered something else: the checks name it
                 users.append((str(peer), None))
-        return offers_of(users)
+        return users
+
+    def _check_members(self, users: list[tuple[str, Any]]) -> None:
+        """In a certified swarm, raise unless every member showed a valid certificate for its own id
+        (the transport authenticated the ids; a leader could still have let an outsider in)."""
+        if self._admission is None:
+            return
+        for peer, user in users:
+            certificate = user.get("certificate") if isinstance(user, dict) else None
+            membership = self._admission.check(certificate, peer)
+            self._certified[peer] = membership.expires
+
+    def _screened(self, group_info: Any, users: list[tuple[str, Any]], fractions: Sequence[float]) -> dict:
+        """The all-reduce's modes, part fractions and claims after refusing poisoned updates: a refused
+        member sends nothing and reduces nothing (see :mod:`greenswarm.averaging.screening`)."""
+        claims = dict(users)
+        refused = screen_claims(claims, self._cfg.max_norm_ratio)
+        me = str(self.peer_id)
+        if me in refused:
+            why = f"the group refused this site's update: {refused[me]}"
+            self._refusal.value = why.encode()[:1000]
+            raise ValueError(why)
+        for peer, why in refused.items():
+            log.warning("refusing the update of %s: %s", _name(peer, claims.get(peer)), why)
+        modes = []
+        for blob in group_info.gathered:
+            _bandwidth, mode, _user = self.serializer.loads(blob)
+            modes.append(AveragingMode(mode))
+        kept = [0.0 if peer in refused else float(f) for (peer, _), f in zip(users, fractions, strict=True)]
+        if not sum(kept):
+            raise ValueError("no member is left to reduce the group's parts")
+        for i, (peer, _) in enumerate(users):
+            if peer in refused:
+                modes[i] = AveragingMode.AUX
+        return {
+            "modes": tuple(modes),
+            "peer_fractions": tuple(f / sum(kept) for f in kept),
+            "claims": {
+                pid: float(claims[str(pid)]["norm"]) for pid in group_info.peer_ids if str(pid) not in refused
+            },
+        }
+
+    def _refuse_part(self, peer: str, why: str) -> None:
+        """This site's reducer refused a groupmate's part (averager process): log it, tell the node."""
+        log.warning("refused a part of %s's update: %s", peer, why)
+        refused = self._parts_refused()
+        refused[peer] = why
+        self._refused_parts.value = json.dumps(refused).encode()[:4095]
+
+    # ---- admission (averager process) ----
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's alias
+        """hivemind's join handler, behind a membership check: an outsider never enters a group."""
+        if self._admission is not None:
+            try:
+                _bandwidth, _mode, user_bytes = self.serializer.loads(request.gather)
+                user = self.serializer.loads(user_bytes)
+                certificate = user.get("certificate") if isinstance(user, dict) else None
+                membership = self._admission.check(certificate, str(context.remote_id))
+            except Exception as e:
+                log.warning("refused a join request from %s: %s", context.remote_id, _reason(e))
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            self._certified[str(context.remote_id)] = membership.expires
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's state server, behind a membership check: only members download the model."""
+        if self._admission is not None and not await self._is_member(str(context.remote_id)):
+            log.warning(
+                "refused to serve the model state to %s: it holds no valid membership certificate",
+                context.remote_id,
+            )
+            return  # hivemind's way to deny: the requester tries its next source
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _is_member(self, peer: str) -> bool:
+        """Whether ``peer`` showed a valid certificate in a group or join request, or published a
+        record (which the DHT accepts from certified members only). A newcomer's first record may
+        still be on its way, so the records are read again for a few seconds."""
+        for attempt in range(4):
+            if self._certified.get(peer, 0.0) > time.time():
+                return True
+            if self._members is None:
+                return False
+            try:
+                found = await self._members()
+            except Exception as e:  # the DHT is busy or shutting down: deny, the requester retries
+                log.debug("cannot read the swarm's members: %r", e)
+                found = {}
+            self._certified.update(found)
+            if self._certified.get(peer, 0.0) > time.time() or attempt == 3:
+                break
+            await asyncio.sleep(1.0)
+        return self._certified.get(peer, 0.0) > time.time()
 
     # ---- downloading state from a chosen peer ----
 
@@ -337,3 +489,13 @@ class SwarmAverager(DecentralizedAverager):
         future = MPFuture()
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         return future.result(timeout=wait_s)
+
+
+def _name(peer: str, user: Any) -> str:
+    """A groupmate as people know it: its site name, and its peer id."""
+    site = user.get("site") if isinstance(user, dict) else None
+    return f"{site} ({peer})" if site else peer
+
+
+def _reason(error: Exception) -> str:
+    return str(error) if isinstance(error, CertificateError) else f"unreadable join request ({error!r})"

@@ -46,6 +46,9 @@ class AveragingConfig:
     ``agreement_timeout_s`` bounds the wait for the group's round digests after an all-reduce (and a
     dissenting site's wait for the majority's state); a member that has not answered by then counts
     as disagreeing.
+    ``max_norm_ratio``: a groupmate's pseudo-gradient whose norm is more than this many times the
+    (lower) median of the others' is refused before it is averaged, as is one with NaN/Inf; 0 turns
+    the norm check off (NaN/Inf are always refused). See docs/security.md.
     """
 
     sync_interval_s: float = 600.0
@@ -63,6 +66,7 @@ class AveragingConfig:
     state_timeout_s: float = 60.0
     agreement_timeout_s: float = 15.0
     max_group_size: int = 64
+    max_norm_ratio: float = 10.0
 
     def validate(self) -> None:
         _positive(self.sync_interval_s, "sync_interval_s")
@@ -94,5 +98,11 @@ class AveragingConfig:
             )
         if not isinstance(self.error_feedback, bool):
             raise ConfigError(f"must be true or false, got {self.error_feedback!r}", field="error_feedback")
+        _positive(self.max_norm_ratio, "max_norm_ratio", allow_zero=True)
+        if 0 < self.max_norm_ratio < 1:
+            raise ConfigError(
+                f"must be 0 (off) or >= 1, got {self.max_norm_ratio!r}: below 1 every update is refused",
+                field="max_norm_ratio",
+            )
         if self.max_group_size < 2:
             raise ConfigError(f"must be >= 2, got {self.max_group_size}", field="max_group_size")

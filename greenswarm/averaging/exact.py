@@ -24,7 +24,7 @@ digest check (:mod:`greenswarm.averaging.agreement`) would expose it as disagree
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
@@ -32,16 +32,30 @@ from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import averaging_pb2
 
+from greenswarm.averaging.screening import screen_part
 from greenswarm.faults import FaultPlan
 
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the group's average, bit-identical on every member."""
 
-    def __init__(self, *, compression: CompressionBase, faults: FaultPlan | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        compression: CompressionBase,
+        faults: FaultPlan | None = None,
+        claims: dict | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+        **kwargs,
+    ):
         super().__init__(compression=compression, **kwargs)
         self._codec = compression
         self._faults = faults or FaultPlan()
+        # each sender's claimed update norm (see greenswarm.averaging.screening); parts are checked
+        # against it before they are accumulated, and a refusal is reported through on_refused
+        self._claims = claims or {}
+        self._on_refused = on_refused or (lambda peer, why: None)
+        self._own_refusal: str | None = None  # this site's own part failed its claim: its round fails
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
@@ -60,6 +74,8 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def run(self) -> AsyncIterator[torch.Tensor]:
         """Yield the averaged tensors; raise if any part of them is not the group's average."""
         outputs = [tensor async for tensor in super().run()]
+        if self._own_refusal is not None:
+            raise AllreduceException(f"this site's own update was refused: {self._own_refusal}")
         failed = self.tensor_part_container.failed_size
         if failed:
             total = self.tensor_part_container.total_size
@@ -76,9 +92,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part, weight=self.weight
-            )
+            weight = self.weight
+            refusal = screen_part(part, self._claims.get(self.peer_id))
+            if refusal is not None:  # this site reduces the others' parts, but adds nothing of its own
+                self._own_refusal = refusal
+                self._on_refused(str(self.peer_id), f"(this site's own part) {refusal}")
+                part, weight = torch.zeros_like(part), 0.0
+            reducer = self.tensor_part_reducer
+            averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             # keep what the other members will decode, not the unrounded average
             encoded = await self._encoded_average(part_index, averaged)
             same_as_peers = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
@@ -88,8 +109,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
+            sender = self.sender_peer_ids[sender_index]
             async for message in stream:
                 part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                refusal = screen_part(part, self._claims.get(sender))
+                if refusal is not None:  # never accumulated; the sender is dropped from this reducer
+                    self._on_refused(str(sender), refusal)
+                    break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=message.weight

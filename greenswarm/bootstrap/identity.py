@@ -17,13 +17,19 @@ from greenswarm.private_files import write_private
 _ED25519_SEED = 32
 
 
-def _peer_id_from_public(public: bytes) -> str:
-    """The libp2p peer id of an Ed25519 public key: base58 of the identity multihash of its protobuf."""
-    from hivemind.p2p import PeerID
+def peer_id_of(public: bytes) -> bytes:
+    """The libp2p peer id of an Ed25519 public key, raw: the identity multihash of its protobuf."""
     from hivemind.proto import crypto_pb2
 
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=public).SerializeToString()
-    return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()
+    return bytes([0x00, len(encoded)]) + encoded
+
+
+def _peer_id_from_public(public: bytes) -> str:
+    """The libp2p peer id of an Ed25519 public key, as people write it (base58)."""
+    from hivemind.p2p import PeerID
+
+    return PeerID(peer_id_of(public)).to_base58()
 
 
 def _generate(path: Path) -> None:
@@ -42,6 +48,34 @@ def _generate(path: Path) -> None:
 
 def read_identity(path: str | Path) -> str:
     """Check an identity file and return its peer id; errors name the file and what is wrong with it."""
+    _seed, public = _read_key(path)
+    return _peer_id_from_public(public)
+
+
+def identity_seed(path: str | Path) -> bytes:
+    """The 32-byte Ed25519 private seed of an identity file: what signs this peer's DHT records."""
+    return _read_key(path)[0]
+
+
+def ed25519_public_of(peer_id: bytes) -> bytes | None:
+    """The raw Ed25519 public key inside a peer id (an identity multihash), or None for other ids."""
+    from google.protobuf.message import DecodeError
+    from hivemind.proto import crypto_pb2
+
+    if len(peer_id) < 2 or peer_id[0] != 0x00 or peer_id[1] != len(peer_id) - 2:
+        return None
+    key = crypto_pb2.PublicKey()
+    try:
+        key.ParseFromString(peer_id[2:])
+    except DecodeError:
+        return None
+    if key.key_type != crypto_pb2.KeyType.Ed25519 or len(key.data) != _ED25519_SEED:
+        return None
+    return bytes(key.data)
+
+
+def _read_key(path: str | Path) -> tuple[bytes, bytes]:
+    """(private seed, public key) of an Ed25519 identity file, checked."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
     from google.protobuf.message import DecodeError
@@ -67,7 +101,7 @@ def read_identity(path: str | Path) -> str:
         raise GreenswarmError(
             f"{path}: identity file is corrupted (public half does not match the private key)"
         )
-    return _peer_id_from_public(public)
+    return key.data[:_ED25519_SEED], public
 
 
 def load_or_create_identity(path: str | Path) -> str:

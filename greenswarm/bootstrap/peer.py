@@ -18,6 +18,7 @@ from greenswarm.bootstrap.relay_check import check_address, relay_carries
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.network import check_maddr, relay_service_options, start_dht, visible_peer_maddrs
 from greenswarm.node.progress import record_validators
+from greenswarm.security.admission import Admission
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -32,7 +33,9 @@ RELAY_ATTEMPTS = 8
 class BootstrapConfig:
     """``listen``: where to accept connections; ``announce``: the public addresses to advertise
     (behind a port forward or in a cloud VM, the public IP); ``identity``: the key file that keeps the
-    peer id stable across restarts; ``swarm``: the swarm whose records this peer validates."""
+    peer id stable across restarts; ``swarm``: the swarm whose records this peer validates;
+    ``authority``: that swarm's authority public key, in a certified swarm (the bootstrap then stores
+    members' records only: an intruder's entry stored next to theirs would make readers drop them)."""
 
     identity: str
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"])
@@ -40,6 +43,7 @@ class BootstrapConfig:
     swarm: str = "greenswarm"
     initial_peers: list[str] = field(default_factory=list)  # other bootstrap peers, for redundancy
     relay: bool = True  # carry connections for sites behind NAT (circuit relay with raised limits)
+    authority: str | None = None  # the swarm authority's public key (.pub), in a certified swarm
 
     def validate(self) -> None:
         if not self.listen:
@@ -58,6 +62,7 @@ class BootstrapPeer:
     def __init__(self, cfg: BootstrapConfig):
         self.cfg = cfg
         self.peer_id = load_or_create_identity(cfg.identity)
+        self.admission = Admission.from_files(cfg.swarm, cfg.authority) if cfg.authority else None
         self._stopped = threading.Event()
         if cfg.relay:
             # p2pd starts a second relay service with go-libp2p's defaults (128 KiB and 2 min per
@@ -96,7 +101,7 @@ class BootstrapPeer:
             host_maddrs=cfg.listen,
             announce_maddrs=cfg.announce,
             identity_path=cfg.identity,
-            record_validators=record_validators(cfg.swarm),
+            record_validators=record_validators(cfg.swarm, self.admission),
             **(relay_service_options() if cfg.relay else {}),
         )
 

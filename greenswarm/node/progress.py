@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hivemind import DHT
 
+    from greenswarm.security.admission import Admission
+
 RECORD_VERSION = 1
 
 
@@ -42,6 +44,7 @@ class ProgressRecord:
     world_size: int = 1
     version: int = RECORD_VERSION
     wire: str | None = None  # wire format of the last averaged round (auto picks one per round)
+    refused: int = 0  # groupmates' updates this site refused so far (NaN/Inf, norm far outside the group's)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,14 +58,27 @@ class ProgressRecord:
         return self.state != "IDLE"
 
 
-def record_validators(swarm: str) -> list[Any]:
-    """The validators every process of swarm ``swarm`` registers: records are signed and typed."""
+def record_validators(swarm: str, admission: Admission | None = None, seed: bytes | None = None) -> list[Any]:
+    """The validators every process of swarm ``swarm`` registers: records are signed and typed; in a
+    certified swarm (``admission``) they are also signed by a member and bound to its certificate
+    (:mod:`greenswarm.security.records`; ``seed`` is this peer's identity key, None to only check)."""
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.schema import SchemaValidator
+    from hivemind.utils.crypto import RSAPrivateKey
 
     from greenswarm.node.progress_schema import ProgressSchema
 
-    return [SchemaValidator(ProgressSchema, allow_extra_keys=True, prefix=swarm), RSASignatureValidator()]
+    validators = [
+        SchemaValidator(ProgressSchema, allow_extra_keys=True, prefix=swarm),
+        # a key of its own, not hivemind's process-wide one: two peers in one process (a test, a
+        # benchmark) must not write their records under one subkey
+        RSASignatureValidator(RSAPrivateKey()),
+    ]
+    if admission is not None:
+        from greenswarm.security.records import MemberRecordValidator
+
+        validators.append(MemberRecordValidator(admission, seed))
+    return validators
 
 
 def progress_key(swarm: str) -> str:
@@ -128,16 +144,36 @@ class ProgressPublisher:
                 pass
 
 
-def open_reader(initial_peers: list[str], swarm: str, host_maddrs: list[str] | None = None) -> DHT:
-    """A client-mode DHT that can read swarm ``swarm``'s records (with the validators hivemind needs)."""
+def open_reader(
+    initial_peers: list[str],
+    swarm: str,
+    host_maddrs: list[str] | None = None,
+    admission: Admission | None = None,
+) -> DHT:
+    """A client-mode DHT that can read swarm ``swarm``'s records (with the validators hivemind needs);
+    with ``admission`` it reads only records of certified members."""
     from greenswarm.network import start_dht
 
     return start_dht(
         initial_peers,
         host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
         client_mode=True,
-        record_validators=record_validators(swarm),
+        record_validators=record_validators(swarm, admission),
     )
+
+
+async def live_members(dht: DHT, swarm: str) -> dict[str, float]:
+    """``peer id -> until when`` for every site with a live progress record (from any process that
+    holds ``dht``). In a certified swarm the DHT accepts records from members only and none that
+    outlives its writer's certificate, so this is the list of members to trust now."""
+    found = await dht.get(progress_key(swarm), latest=True, return_future=True)
+    members: dict[str, float] = {}
+    if found is not None and isinstance(found.value, dict):
+        for item in found.value.values():
+            value = getattr(item, "value", None)
+            if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
+                members[value["peer_id"]] = float(item.expiration_time)
+    return members
 
 
 def fetch_records(dht: DHT, swarm: str) -> list[ProgressRecord]:

@@ -29,6 +29,7 @@ class RecordModel(pyd.BaseModel):
     world_size: pyd.conint(strict=True, ge=1)  # type: ignore[valid-type]
     version: pyd.StrictInt
     wire: Optional[pyd.StrictStr] = None  # noqa: UP045  (the last averaged round's wire format)
+    refused: pyd.conint(strict=True, ge=0) = 0  # type: ignore[valid-type]  (updates refused so far)
 
     class Config:
         extra = pyd.Extra.forbid

@@ -20,6 +20,7 @@ def _clock(t: float | None) -> str:
 
 def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
     table = Table(title=title or None, header_style="bold")
+    refusals = any(r.refused for r in records)  # a column only when some site refused an update
     for col, justify in [
         ("site", "left"),
         ("region", "left"),
@@ -34,6 +35,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
         ("CO2 g", "right"),
         ("clock", "left"),
         ("seen", "right"),
+        *([("refused", "right")] if refusals else []),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     now = time.time()
@@ -52,6 +54,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
             f"{r.emissions_g:,.0f}",
             _clock(r.clock_time),
             f"{max(0.0, now - r.wall_time):.0f}s ago",
+            *([f"[red]{r.refused}[/]" if r.refused else "0"] if refusals else []),
         )
     return table
 
@@ -66,13 +69,22 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
-def show_progress(initial_peers: list[str], swarm: str, as_json: bool, watch: float | None) -> int:
-    """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them."""
+def show_progress(
+    initial_peers: list[str],
+    swarm: str,
+    as_json: bool,
+    watch: float | None,
+    authority: str | None = None,
+) -> int:
+    """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them.
+    With ``authority`` (the swarm authority's public key) only certified members' records are shown."""
     from rich.live import Live
 
     from greenswarm.node.progress import fetch_records, open_reader
+    from greenswarm.security.admission import Admission
 
-    dht = open_reader(initial_peers, swarm)
+    admission = Admission.from_files(swarm, authority) if authority else None
+    dht = open_reader(initial_peers, swarm, admission=admission)
     console = wide_console()
     try:
         if watch is None:

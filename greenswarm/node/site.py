@@ -10,6 +10,7 @@ the other ranks, one command at a time, which collective to run next (:meth:`_co
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import torch
 from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_digest
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
-from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.network import relay_options, resolve_reachability, start_dht
@@ -32,7 +33,7 @@ from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import BestCheckpoints, HeldOut
-from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
+from greenswarm.node.progress import ProgressPublisher, ProgressRecord, live_members, record_validators
 from greenswarm.node.rejoin import EntryWatch
 from greenswarm.node.round_log import RoundEntry, RoundLog
 from greenswarm.node.swarm_view import SwarmView, state_key
@@ -41,6 +42,7 @@ from greenswarm.scheduler.clock import make_clock
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
+from greenswarm.security.admission import Admission
 from greenswarm.traces import load_trace
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
@@ -92,6 +94,7 @@ class SiteNode:
             "failed_rounds": 0,
             "catch_ups": 0,
             "resyncs": 0,
+            "refused_updates": 0,  # groupmates' updates refused before averaging (NaN/Inf, outsized)
         }
         self.round_seconds: list[float] = []
         self.agreement_seconds: list[float] = []  # digest + exchange + decision, per averaged round
@@ -112,6 +115,7 @@ class SiteNode:
         self.outer: OuterOptimizer | None = None
         self.rounds = RoundLog(cfg.node.run_dir, self.started)
         self.membership = None  # this site's checked membership certificate, when it has one
+        self.admission: Admission | None = None  # who may train with this site (None: anyone)
         self.dht = self.averager = self.view = self.publisher = self.digests = self.entry = None
 
     # ------------------------------------------------------------------ public
@@ -253,7 +257,7 @@ class SiteNode:
         reason: str = "",
     ) -> None:
         """One line of the round log (``run_dir/rounds.jsonl``): what this round did, and its timings."""
-        members = [str(g.get("site", p)) for p, g in outcome.gathered.items()] if outcome else []
+        members = [_site_of(outcome, p) for p in outcome.members] if outcome and outcome.ok else []
         self.rounds.write(
             RoundEntry(
                 slot=self._slot,
@@ -263,6 +267,7 @@ class SiteNode:
                 digest=self.outer.digest(),
                 members=sorted(members) or [self.cfg.name],
                 reason=reason,
+                refused={_site_of(outcome, p): why for p, why in outcome.refused.items()} if outcome else {},
                 wire=outcome.wire if outcome else "",
                 round_s=outcome.seconds if outcome else None,
                 allreduce_s=outcome.allreduce_s if outcome else None,
@@ -309,6 +314,8 @@ class SiteNode:
             expected_size=1 + len(partners),
             gather={"site": self.cfg.name, "tokens": self.tokens_since_sync, "outer_round": self.outer_round},
         )
+        for peer, why in outcome.refused.items():
+            self._note_refusal(outcome, peer, why)
         if outcome.ok:
             self.round_seconds.append(outcome.seconds)
             self.wire = outcome.wire
@@ -318,6 +325,11 @@ class SiteNode:
                 self.log.info("first averaging round completed %.1f s after start", self.first_round_s)
             self.connections = self._connections()  # who this site exchanged the round with, and how
         return outcome
+
+    def _note_refusal(self, outcome: RoundOutcome, peer: str, why: str) -> None:
+        """A groupmate's update was refused before it was averaged: count it and say so."""
+        self.counts["refused_updates"] += 1
+        self.log.warning("round %d: refused the update of %s: %s", self._slot, _site_of(outcome, peer), why)
 
     def _agree(self, outcome: RoundOutcome, delta: torch.Tensor) -> Verdict:
         """Prove with the group that every member is about to apply the same step (see
@@ -340,7 +352,12 @@ class SiteNode:
             digest,
             timeout_s=self.cfg.averaging.agreement_timeout_s,
             publish=publish,
+            refused=outcome.refused,
         )
+        for peer, why in self.digests.heard_refused.items():  # refused by a groupmate's reducer
+            if peer not in outcome.refused and peer != self.peer_id:
+                outcome.refused[peer] = why
+                self._note_refusal(outcome, peer, why)
         verdict = decide(self.peer_id, digest, published, outcome.members)
         self.agreement_seconds.append(time.monotonic() - started)
         self.log.debug(
@@ -446,12 +463,15 @@ class SiteNode:
         # error feedback: what coding left out of this site's last averaged pseudo-gradient
         self.feedback = torch.zeros(self.outer.numel) if cfg.averaging.error_feedback else None
         self._resume()
-        validators = record_validators(cfg.swarm.name)
         identity = cfg.swarm.identity
         if identity:
             load_or_create_identity(identity)
+        seed = None
         if cfg.swarm.certificate:
             self._check_membership()
+            self.admission = Admission.from_files(cfg.swarm.name, cfg.swarm.authority, cfg.swarm.certificate)
+            seed = identity_seed(identity)
+        validators = record_validators(cfg.swarm.name, self.admission, seed)
         self.reachability, why = resolve_reachability(cfg.swarm)
         how = "through a relay" if self.reachability == "relay" else "directly"
         self.log.info("joining the swarm %s: %s", how, why)
@@ -475,6 +495,8 @@ class SiteNode:
             cfg.averaging,
             self._served_state,
             faults=self.faults,
+            admission=self.admission,
+            members=functools.partial(live_members, self.dht, cfg.swarm.name),
         )
         self.view = SwarmView(self.dht, cfg.swarm.name, self.peer_id, cfg.node.swarm_poll_s)
         self.digests = DigestBoard(self.dht, cfg.swarm.name, self.peer_id)
@@ -595,6 +617,7 @@ class SiteNode:
             wall_time=time.time(),
             world_size=self.world.world_size,
             wire=self.wire or None,
+            refused=self.counts["refused_updates"],
         )
 
     def _report(self, force: bool = False) -> None:
@@ -734,6 +757,12 @@ class SiteNode:
             if op == "stop":
                 return
             self._run_op(op, None)
+
+
+def _site_of(outcome: RoundOutcome, peer: str) -> str:
+    """A groupmate's site name from what it gathered (its peer id when it named none)."""
+    gathered = outcome.gathered.get(peer)
+    return str(gathered.get("site", peer)) if isinstance(gathered, dict) else peer
 
 
 async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:

@@ -122,7 +122,8 @@ def load_authority_public(path: str | Path):  # noqa: ANN201  (an Ed25519PublicK
     return key
 
 
-def _raw(public) -> bytes:  # noqa: ANN001
+def raw_public(public) -> bytes:  # noqa: ANN001  (an Ed25519PublicKey)
+    """The 32 raw bytes of an Ed25519 public key."""
     from cryptography.hazmat.primitives import serialization
 
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -159,7 +160,7 @@ def issue(
         peer_id=peer_id,
         issued=issued,
         expires=issued + valid_s,
-        authority=fingerprint(_raw(key.public_key())),
+        authority=fingerprint(raw_public(key.public_key())),
     )
     signature = base64.b64encode(key.sign(membership.canonical())).decode()
     blob = json.dumps({"membership": asdict(membership), "signature": signature}, indent=2) + "\n"
@@ -170,15 +171,20 @@ def issue(
 def read_certificate(path: str | Path) -> tuple[Membership, bytes]:
     """The fields and signature of a certificate file (not yet verified); errors name the file."""
     path = Path(path)
-    blob = _read(path, "certificate")
+    return parse_certificate(_read(path, "certificate"), str(path))
+
+
+def parse_certificate(blob: bytes, source: str) -> tuple[Membership, bytes]:
+    """The fields and signature of a certificate's bytes (a file's, or what a peer sent); ``source``
+    names where they came from in every error."""
     try:
         data = json.loads(blob)
         membership = Membership(**data["membership"])
         signature = base64.b64decode(data["signature"], validate=True)
     except (ValueError, KeyError, TypeError):
-        raise CertificateError(f"{path}: not a greenswarm membership certificate (corrupted?)") from None
+        raise CertificateError(f"{source}: not a greenswarm membership certificate (corrupted?)") from None
     if membership.format != FORMAT:
-        raise CertificateError(f"{path}: unknown certificate format {membership.format!r}")
+        raise CertificateError(f"{source}: unknown certificate format {membership.format!r}")
     return membership, signature
 
 
@@ -190,33 +196,56 @@ def verify(
     peer_id: str | None = None,
     now: float | None = None,
 ) -> Membership:
-    """Check a certificate; return its fields, or raise :class:`CertificateError` saying what failed."""
+    """Check a certificate file; return its fields, or raise :class:`CertificateError` saying what failed."""
+    membership, signature = read_certificate(path)
+    check_signature(membership, signature, authority_public, str(path))
+    return check_binding(membership, str(path), swarm=swarm, peer_id=peer_id, now=now)
+
+
+def check_signature(
+    membership: Membership,
+    signature: bytes,
+    authority_public,  # noqa: ANN001  (an Ed25519PublicKey)
+    source: str,
+) -> None:
+    """Raise unless the authority signed exactly these fields (the expensive half of a check)."""
     from cryptography.exceptions import InvalidSignature
 
-    membership, signature = read_certificate(path)
-    if membership.authority != fingerprint(_raw(authority_public)):
+    if membership.authority != fingerprint(raw_public(authority_public)):
         raise CertificateError(
-            f"{path}: signed by another authority ({membership.authority}), "
-            f"not this swarm's ({fingerprint(_raw(authority_public))})"
+            f"{source}: signed by another authority ({membership.authority}), "
+            f"not this swarm's ({fingerprint(raw_public(authority_public))})"
         )
     try:
         authority_public.verify(signature, membership.canonical())
     except InvalidSignature:
         raise CertificateError(
-            f"{path}: the signature does not match the contents (forged or edited)"
+            f"{source}: the signature does not match the contents (forged or edited)"
         ) from None
+
+
+def check_binding(
+    membership: Membership,
+    source: str,
+    *,
+    swarm: str | None = None,
+    peer_id: str | None = None,
+    now: float | None = None,
+) -> Membership:
+    """Raise unless a (signature-checked) certificate is for ``swarm``, held by ``peer_id``, and valid
+    at ``now``; return it."""
     if swarm is not None and membership.swarm != swarm:
-        raise CertificateError(f"{path}: issued for swarm {membership.swarm!r}, not {swarm!r}")
+        raise CertificateError(f"{source}: issued for swarm {membership.swarm!r}, not {swarm!r}")
     if peer_id is not None and membership.peer_id != peer_id:
         raise CertificateError(
-            f"{path}: issued to peer {membership.peer_id}, but this peer is {peer_id} "
+            f"{source}: issued to peer {membership.peer_id}, but this peer is {peer_id} "
             "(a certificate belongs to one identity file)"
         )
     now = time.time() if now is None else now
     if now < membership.issued:
-        raise CertificateError(f"{path}: not valid yet (issued for {stamp(membership.issued)})")
+        raise CertificateError(f"{source}: not valid yet (issued for {stamp(membership.issued)})")
     if now >= membership.expires:
-        raise CertificateError(f"{path}: expired at {stamp(membership.expires)}; ask for a new one")
+        raise CertificateError(f"{source}: expired at {stamp(membership.expires)}; ask for a new one")
     return membership
 
 
