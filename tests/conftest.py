@@ -105,9 +105,11 @@ class Swarm:
         swarm: str = "test",
         listen: str = "/ip4/127.0.0.1/tcp/0",
         key: str = "",
+        *extra: str,
     ) -> list[str]:
         """Start a bootstrap peer and return its --initial-peers multiaddrs (``key``: identity file
-        name, default ``<name>.key``; reuse one with a fixed ``listen`` to restart the same peer)."""
+        name, default ``<name>.key``; reuse one with a fixed ``listen`` to restart the same peer;
+        ``extra``: more flags, e.g. ``--authority``)."""
         self.command(
             name,
             "bootstrap",
@@ -118,6 +120,7 @@ class Swarm:
             "--swarm",
             swarm,
             "--json",
+            *extra,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -169,7 +169,7 @@ class SwarmAverager(DecentralizedAverager):
             )
             norm = update_norm(delta)  # the claim every reducer holds this site's parts to
             with self.get_tensors() as (buffer,):
-                buffer.copy_(self._poisoned(delta))
+                buffer.copy_(delta)
             self._refusal.value = b""
             self._refused_parts.value = b""
             self._allreduce.zero_()
@@ -221,16 +221,17 @@ class SwarmAverager(DecentralizedAverager):
             allreduce_s=self._allreduce_seconds(),
         )
 
-    def _poisoned(self, delta: torch.Tensor) -> torch.Tensor:
-        """The ``poison-nan`` and ``poison-scale`` faults: send NaN, or 1000x the update, while claiming
-        the clean update's norm (what a broken or malicious member would do)."""
-        if self._faults.fires("poison-nan"):
+    def _poison(self, coded: torch.Tensor) -> None:
+        """The ``poison-nan`` and ``poison-scale`` faults (averager process): what goes on the wire
+        becomes NaN, or 1000x the update, after the clean update's norm was claimed -- what a
+        malicious member would send (greenswarm's own coding refuses to encode NaN)."""
+        nan, scale = self._faults.fires("poison-nan"), self._faults.fires("poison-scale")  # count both
+        if nan:
             log.warning("fault injected: poison-nan (this site sends NaN as its update)")
-            return torch.full_like(delta, float("nan"))
-        if self._faults.fires("poison-scale"):
+            coded.fill_(float("nan"))
+        elif scale:
             log.warning("fault injected: poison-scale (this site sends 1000x its update)")
-            return delta * 1000
-        return delta
+            coded.mul_(1000)
 
     def _parts_refused(self) -> dict[str, str]:
         """Groupmates whose parts this site's reducer refused in the round just ended."""
@@ -266,7 +267,7 @@ class SwarmAverager(DecentralizedAverager):
     def _why(self, reason: str) -> str:
         """A failure's reason; a refused group (wire format mismatch) is the reason that matters."""
         refusal = self._refusal.value.decode(errors="replace")
-        return f"refused a group: {refusal}" if refusal else reason
+        return refusal or reason
 
     async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
         """Runs in the averager process: set this round's group key and expected group size."""
@@ -293,7 +294,7 @@ class SwarmAverager(DecentralizedAverager):
             fmt = choose_wire(offers_of(users), sum(t.numel() for t in tensors))
         except (WireMismatch, CertificateError) as e:
             log.error("refusing to average with this group: %s", e)
-            self._refusal.value = str(e).encode()[:1000]
+            self._refusal.value = f"refused a group: {e}".encode()[:1000]
             raise
         kwargs.update(self._screened(group_info, users, kwargs["peer_fractions"]))
         # error feedback needs the residual of exactly what goes on the wire: code the whole vector
@@ -303,6 +304,7 @@ class SwarmAverager(DecentralizedAverager):
         coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
         torch.sub(flat, coded, out=self._residual)
         flat.copy_(coded)
+        self._poison(flat)
         kwargs["compression"] = fmt.compression
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
@@ -384,6 +386,8 @@ class SwarmAverager(DecentralizedAverager):
     def _refuse_part(self, peer: str, why: str) -> None:
         """This site's reducer refused a groupmate's part (averager process): log it, tell the node."""
         log.warning("refused a part of %s's update: %s", peer, why)
+        if peer == str(self.peer_id):  # hivemind retries the round, and reports only its last try
+            self._refusal.value = f"this site's update was refused: {why}".encode()[:1000]
         refused = self._parts_refused()
         refused[peer] = why
         self._refused_parts.value = json.dumps(refused).encode()[:4095]

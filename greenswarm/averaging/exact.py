@@ -73,7 +73,15 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def run(self) -> AsyncIterator[torch.Tensor]:
         """Yield the averaged tensors; raise if any part of them is not the group's average."""
-        outputs = [tensor async for tensor in super().run()]
+        outputs = []
+        expected = len(self.tensor_part_container.local_tensors)
+        async for tensor in super().run():
+            outputs.append(tensor)
+            if len(outputs) == expected:
+                # hivemind finalizes this site's reducer as soon as its own outputs are in; a member
+                # whose own parts failed (refused, or a reducer died) gets there early, so it would
+                # cut off the slice it reduces for the others: finish serving them first
+                await self.tensor_part_reducer.finished.wait()
         if self._own_refusal is not None:
             raise AllreduceException(f"this site's own update was refused: {self._own_refusal}")
         failed = self.tensor_part_container.failed_size

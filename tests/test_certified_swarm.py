@@ -1,0 +1,77 @@
+"""A certified swarm end to end (issue #7): real ``greenswarm bootstrap|node|progress`` processes.
+
+Three admitted sites train together; one of them sends a NaN update in one round and a 1000x one in
+another; an uncertified site that knows the bootstrap address runs beside them. The admitted sites
+must refuse both poisoned updates and say so (logs, round logs, ``greenswarm progress``), keep
+finite parameters, and never count the outsider as a member of anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.node.round_log import read_rounds
+from greenswarm.security.certificates import create_authority, issue
+from tests.conftest import Swarm, site_config, wait_until, write_trace
+
+pytestmark = [pytest.mark.swarm, pytest.mark.security]
+
+SPEEDUP, SYNC_S, STARTUP_S, MINUTES = 120.0, 600.0, 20.0, 60
+MEMBERS = ("a", "b", "p")
+
+
+def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path: Path) -> None:
+    authority = tmp_path / "authority.key"
+    create_authority(authority)
+    trace = write_trace(tmp_path / "trace.csv", {"R": [20.0] * (MINUTES // 5)})
+    peers = swarm.bootstrap(
+        "bootstrap", "test", "/ip4/127.0.0.1/tcp/0", "", "--authority", f"{authority}.pub"
+    )
+    start_wall = time.time() + STARTUP_S
+    for i, name in enumerate((*MEMBERS, "x")):
+        identity = tmp_path / f"{name}.key"
+        swarm_section = {"identity": str(identity)}
+        if name != "x":  # the outsider has an identity, but no certificate
+            issue(authority, swarm="test", site=name, region="R", peer_id=load_or_create_identity(identity),
+                  valid_s=3600, out=tmp_path / f"{name}.cert")  # fmt: skip
+            swarm_section.update(certificate=str(tmp_path / f"{name}.cert"), authority=f"{authority}.pub")
+        cfg = site_config(
+            name, "R", trace, peers, tmp_path / name, speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S,
+            shard=i, shards=4, swarm=swarm_section,
+        )  # fmt: skip
+        # p poisons its 2nd and 3rd averaging attempts (the 1st may find a group still forming)
+        faults = {"GREENSWARM_FAULTS": "poison-nan@2,poison-scale@3"} if name == "p" else None
+        swarm.node(name, swarm.write_config(name, cfg), env=faults)
+
+    # while they run, greenswarm progress (with the authority) shows the members, a refusal, no outsider
+    seen: dict[str, dict] = {}
+
+    def refusal_shown() -> bool:
+        out = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json",
+                        "--authority", f"{authority}.pub")  # fmt: skip
+        if out.returncode == 0:
+            seen.update({r["site"]: r for r in json.loads(out.stdout)})
+        return any(r.get("refused", 0) > 0 for r in seen.values())
+
+    wait_until(
+        refusal_shown, timeout=STARTUP_S + MINUTES * 60 / SPEEDUP, what="a refusal in greenswarm progress"
+    )
+    assert set(seen) <= set(MEMBERS), seen.keys()
+
+    for name in MEMBERS:
+        assert swarm.wait(name, timeout=STARTUP_S + MINUTES * 60 / SPEEDUP + 90) == 0, swarm.log(name)[-3000:]
+    honest = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("a", "b")]
+    assert all(s["federated_rounds"] >= 2 and math.isfinite(s["loss"]) for s in honest), honest
+    assert sum(s["refused_updates"] for s in honest) >= 2, [s["refused_updates"] for s in honest]
+    logs = swarm.log("a") + swarm.log("b")
+    assert "refused the update of p" in logs
+    for name in MEMBERS:
+        for entry in read_rounds(tmp_path / name / "rounds.jsonl"):
+            assert "x" not in entry["members"], entry
+    assert "refused a DHT record" in swarm.log("bootstrap") or "unsigned DHT record" in swarm.log("bootstrap")
