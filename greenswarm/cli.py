@@ -283,7 +283,8 @@ def _parser() -> argparse.ArgumentParser:
         description="The swarm's authority signs a membership certificate for each admitted site, "
         "binding its name and region to its libp2p peer id (the one its identity file proves) until "
         "an expiry. Keep the authority key private (mode 0600); give sites the .pub file.",
-        epilog="example:\n  greenswarm swarm init --key authority.key --swarm greenswarm\n"
+        epilog="example:\n  greenswarm swarm init --key authority.key\n"
+        "  greenswarm swarm id --identity site.key            # on the site: its peer id\n"
         "  greenswarm swarm admit --key authority.key --site caiso-north --region CAISO_NORTH "
         "--peer-id 12D3KooW... --expires 90d --out caiso-north.cert\n"
         "  greenswarm swarm check --authority authority.key.pub caiso-north.cert",
@@ -302,12 +303,16 @@ def _parser() -> argparse.ArgumentParser:
         "--expires", default="90d", metavar="WHEN", help="a duration (90d, 12h) or an ISO date (default 90d)"
     )
     admit.add_argument("--out", required=True, metavar="FILE", help="where to write the certificate (0600)")
+    ident = swsub.add_parser(
+        "id", help="print a site's peer id (what the operator admits), creating its identity if missing"
+    )
+    ident.add_argument("--identity", required=True, metavar="FILE", help="the site's swarm.identity file")
     check = swsub.add_parser("check", help="verify a certificate against the authority's public key")
     check.add_argument("certificate", metavar="CERT")
     check.add_argument("--authority", required=True, metavar="FILE", help="the authority's .pub (or key)")
     check.add_argument("--swarm", help="also require this swarm name")
     check.add_argument("--peer-id", metavar="ID", help="also require this peer id")
-    for action in (init, admit, check):
+    for action in (init, admit, ident, check):
         action.add_argument("--json", action="store_true", help="print the result as JSON")
     rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser

@@ -252,6 +252,16 @@ def start_dht(
             exit_with_parent()
             super().run()
 
+        def shutdown(self) -> None:
+            """hivemind's shutdown -- unless the p2p daemon is gone already, as after a Ctrl-C or a
+            SIGTERM to the process group (p2pd gets it too): nothing is left to close cleanly then,
+            and hivemind's DHT process would spend seconds of timeouts on the dead daemon."""
+            if self.is_alive() and not daemon_alive(self.pid):
+                self.kill()  # it ignores SIGTERM: its owner stops it (procs.on_termination)
+                self.join(2.0)
+                return
+            super().shutdown()
+
     _register_p2pd_modes()
     delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
     while True:
@@ -296,6 +306,17 @@ def start_dht(
                     f"cannot listen on {', '.join(host_maddrs)}: address already in use"
                 ) from None
             raise SwarmError(f"cannot start the p2p daemon: {text}") from None
+
+
+def daemon_alive(pid: int) -> bool:
+    """Whether the process ``pid`` (a DHT process) still has a live p2pd daemon."""
+    import psutil
+
+    try:
+        daemons = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "p2pd"]
+        return any(p.status() != psutil.STATUS_ZOMBIE for p in daemons)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def visible_peer_maddrs(dht: DHT) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from hivemind.dht.validation import DHTRecord
@@ -195,14 +196,30 @@ def test_an_outsider_cannot_join_download_or_publish(swarm: dict[str, Peer], tmp
     assert x.averager.download_state([a.peer_id, b.peer_id]) is None
 
     # members publish progress; the outsider's record reaches no certified reader
-    for peer in (a, b, x):
+    for peer in (a, b, x):  # (ttl: the outsider's record would still be live when the reader looks)
         ProgressPublisher(peer.dht, SWARM, peer.validators, refresh_s=60, ttl_s=60).maybe_publish(
             lambda peer=peer: _record(peer), force=True
         )
     seen = _poll_sites(a.dht, {"a", "b"})
     assert seen == {"a", "b"}, seen
 
+    # a member that never averaged with a (so a has not seen its certificate) downloads once its
+    # record is out: a finds it among the records the DHT took from members only
+    p = swarm["p"]
+    ProgressPublisher(p.dht, SWARM, p.validators, refresh_s=60, ttl_s=60).maybe_publish(
+        lambda: _record(p), force=True
+    )
+    state = p.averager.download_state([a.peer_id])
+    assert state is not None and state[0] == {"site": "a"}, state
+
     err = (tmp_path / "peers.log").read_text()
+    # the transport stays encrypted and authenticated: no p2pd of the swarm turns Noise or TLS off
+    daemons = [p for p in psutil.Process().children(recursive=True) if p.name() == "p2pd"]
+    assert len(daemons) >= 5, daemons
+    for daemon in daemons:
+        flags = daemon.cmdline()
+        assert not {"-noise=false", "-tls=false", "-tls=0", "-noise=0"} & set(flags), flags
+
     refusal = f"certificate of peer {x.peer_id}: issued to peer {a.peer_id}, but this peer is {x.peer_id}"
     assert f"refused a join request from {x.peer_id}: {refusal}" in err
     assert f"refused to serve the model state to {x.peer_id}" in err

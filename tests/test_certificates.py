@@ -42,6 +42,8 @@ def _mode(path: Path) -> int:
 
 
 def test_init_admit_check_through_the_cli(tmp_path: Path, peer_id: str) -> None:
+    shown = _cli(tmp_path, "id", "--identity", "site.key", "--json")  # what a site sends the operator
+    assert shown.returncode == 0 and json.loads(shown.stdout)["peer_id"] == peer_id, shown.stderr
     assert _cli(tmp_path, "init", "--key", "authority.key").returncode == 0
     assert _mode(tmp_path / "authority.key") == 0o600 and (tmp_path / "authority.key.pub").exists()
     again = _cli(tmp_path, "init", "--key", "authority.key")

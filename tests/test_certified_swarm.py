@@ -22,7 +22,7 @@ from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.security]
 
-SPEEDUP, SYNC_S, STARTUP_S, MINUTES = 120.0, 600.0, 20.0, 60
+SPEEDUP, SYNC_S, STARTUP_S, MINUTES = 120.0, 600.0, 16.0, 50
 MEMBERS = ("a", "b", "p")
 
 
@@ -45,8 +45,8 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
             name, "R", trace, peers, tmp_path / name, speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S,
             shard=i, shards=4, swarm=swarm_section,
         )  # fmt: skip
-        # p poisons its 2nd and 3rd averaging attempts (the 1st may find a group still forming)
-        faults = {"GREENSWARM_FAULTS": "poison-nan@2,poison-scale@3"} if name == "p" else None
+        # p poisons its first two all-reduces: NaN, then 1000x (each while claiming the clean norm)
+        faults = {"GREENSWARM_FAULTS": "poison-nan@1,poison-scale@2"} if name == "p" else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
 
     # while they run, greenswarm progress (with the authority) shows the members, a refusal, no outsider
@@ -59,16 +59,16 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
             seen.update({r["site"]: r for r in json.loads(out.stdout)})
         return any(r.get("refused", 0) > 0 for r in seen.values())
 
-    wait_until(
-        refusal_shown, timeout=STARTUP_S + MINUTES * 60 / SPEEDUP, what="a refusal in greenswarm progress"
-    )
+    # (the last record of a site lives on for node.progress_ttl_s after it stops)
+    run_s = STARTUP_S + MINUTES * 60 / SPEEDUP
+    wait_until(refusal_shown, timeout=run_s + 15, what="a refusal in greenswarm progress")
     assert set(seen) <= set(MEMBERS), seen.keys()
 
     for name in MEMBERS:
-        assert swarm.wait(name, timeout=STARTUP_S + MINUTES * 60 / SPEEDUP + 90) == 0, swarm.log(name)[-3000:]
+        assert swarm.wait(name, timeout=run_s + 90) == 0, swarm.log(name)[-3000:]
     honest = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("a", "b")]
     assert all(s["federated_rounds"] >= 2 and math.isfinite(s["loss"]) for s in honest), honest
-    assert sum(s["refused_updates"] for s in honest) >= 2, [s["refused_updates"] for s in honest]
+    assert sum(s["refused_updates"] for s in honest) >= 1, [s["refused_updates"] for s in honest]
     logs = swarm.log("a") + swarm.log("b")
     assert "refused the update of p" in logs
     for name in MEMBERS:

@@ -53,8 +53,9 @@ from greenswarm.averaging.outer import group_bits
 from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
+from greenswarm.network import daemon_alive
 from greenswarm.procs import exit_with_parent
-from greenswarm.security.admission import Admission
+from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class SwarmAverager(DecentralizedAverager):
         # download the state without having shown a certificate in a group yet
         self._members = members
         self._certified: dict[str, float] = {}  # peer -> certificate expiry, from checked certificates
+        self._refusals = RefusalLog(log)  # an outsider's flood of requests must not flood the log
         self._state_provider = state_provider
         self._faults = faults or FaultPlan()  # copied into the averager process by the fork
         # written by the averager process during a round, read here after it (shared before the fork)
@@ -137,6 +139,16 @@ class SwarmAverager(DecentralizedAverager):
         """The averager process (forked): hivemind's loop, ended when the node dies without a word."""
         exit_with_parent()
         super().run()
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown -- unless the DHT's p2p daemon (which this averager talks through) is
+        gone already, as after a Ctrl-C to the process group: then there is nothing to close cleanly."""
+        dht_pid = getattr(self.dht, "pid", None)
+        if self.is_alive() and dht_pid is not None and not daemon_alive(dht_pid):
+            self.kill()  # it ignores SIGTERM: its owner stops it
+            self.join(2.0)
+            return
+        super().shutdown()
 
     # ---- serving state (runs in this process, on hivemind's background thread) ----
 
@@ -405,7 +417,7 @@ class SwarmAverager(DecentralizedAverager):
                 certificate = user.get("certificate") if isinstance(user, dict) else None
                 membership = self._admission.check(certificate, str(context.remote_id))
             except Exception as e:
-                log.warning("refused a join request from %s: %s", context.remote_id, _reason(e))
+                self._refusals.warn(f"refused a join request from {context.remote_id}: {_reason(e)}")
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
             self._certified[str(context.remote_id)] = membership.expires
@@ -417,9 +429,9 @@ class SwarmAverager(DecentralizedAverager):
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """hivemind's state server, behind a membership check: only members download the model."""
         if self._admission is not None and not await self._is_member(str(context.remote_id)):
-            log.warning(
-                "refused to serve the model state to %s: it holds no valid membership certificate",
-                context.remote_id,
+            self._refusals.warn(
+                f"refused to serve the model state to {context.remote_id}: it holds no valid membership "
+                "certificate"
             )
             return  # hivemind's way to deny: the requester tries its next source
         async for message in super().rpc_download_state(request, context):

@@ -1,4 +1,4 @@
-"""``greenswarm swarm init|admit|check``: the operator's side of admission."""
+"""``greenswarm swarm init|admit|id|check``: admission, on the operator's side and the site's."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def run_swarm_command(args: argparse.Namespace) -> int:
         key, public = create_authority(args.key)
         result = {"key": str(key), "public": str(public)}
         text = f"authority key: {key} (keep it private)\ngive sites its public half: {public}"
+    elif args.swarm_command == "id":
+        from greenswarm.bootstrap.identity import load_or_create_identity
+
+        peer_id = load_or_create_identity(args.identity)
+        result = {"identity": args.identity, "peer_id": peer_id}
+        text = f"{peer_id}\n(send this peer id to the swarm's operator; keep {args.identity} private)"
     elif args.swarm_command == "admit":
         membership = issue(
             args.key,

@@ -17,6 +17,8 @@ It holds raw bytes only (no key objects), so it pickles into hivemind's DHT and 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,3 +95,21 @@ class Admission:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
+
+
+class RefusalLog:
+    """One warning line per distinct refusal per ``every_s`` seconds: an outsider that floods a site
+    with requests or records must not flood its log too."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0):
+        self.logger, self.every_s = logger, every_s
+        self._last: dict[str, float] = {}
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(message, float("-inf")) < self.every_s:
+            return
+        if len(self._last) > 1024:
+            self._last.clear()
+        self._last[message] = now
+        self.logger.warning("%s", message)

@@ -36,7 +36,7 @@ from typing import Any
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from greenswarm.security.admission import Admission
+from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class MemberRecordValidator(RecordValidatorBase):
         self.seed = seed
         self._signer: bytes | None = None  # this peer's id, raw
         self._key: Any = None
-        self._logged: dict[str, float] = {}  # reason -> when it was last logged
+        self._refusals = RefusalLog(log, LOG_EVERY_S)
 
     def __getstate__(self) -> dict[str, Any]:  # key objects do not pickle; rebuilt on first use
         return {"admission": self.admission, "seed": self.seed}
@@ -122,7 +122,7 @@ class MemberRecordValidator(RecordValidatorBase):
         try:
             self.check(record)
         except RecordRefused as e:
-            self._log(str(e))
+            self._refusals.warn(str(e))
             return False
         return True
 
@@ -173,14 +173,6 @@ class MemberRecordValidator(RecordValidatorBase):
                 f"refused a DHT record from {writer} (site {membership.site}): it outlives the certificate"
             )
         _check_claims(record.subkey, value, writer, signer, membership)
-
-    def _log(self, reason: str) -> None:
-        now = time.monotonic()
-        if now - self._logged.get(reason, float("-inf")) >= LOG_EVERY_S:
-            if len(self._logged) > 1024:
-                self._logged.clear()
-            self._logged[reason] = now
-            log.warning("%s", reason)
 
 
 def _split(raw: bytes) -> tuple[bytes, bytes | None]:
