@@ -99,7 +99,8 @@ def show_progress(
             elif records:
                 console.print(progress_table(records, title=f"swarm '{swarm}'"))
             else:
-                console.print(f"no live sites in swarm '{swarm}'")
+                hint = "" if authority else " (a certified swarm's records need --authority KEY.pub)"
+                console.print(f"no live sites in swarm '{swarm}'{hint}")
             return 0
         if as_json:
             while True:
