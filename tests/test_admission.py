@@ -256,7 +256,7 @@ def test_a_poisoned_update_is_refused_before_it_is_averaged(
         assert all(p.peer_id in o.refused for o in got[:2]), [o.refused for o in got[:2]]
         assert got[0].members == got[1].members == sorted([a.peer_id, b.peer_id])
         assert "the group refused this site's update: its update has NaN/Inf values" in got[2].reason
-    else:  # refused part by part, by whichever members reduced its parts (hivemind may pick one)
+    else:  # refused part by part, by the members that reduced a slice of it
         assert f"refused a part of {p.peer_id}'s update" in (tmp_path / "peers.log").read_text()
 
 

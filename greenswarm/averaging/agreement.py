@@ -83,7 +83,7 @@ class DigestBoard:
 
     Records live for ``ttl_s`` seconds; each member writes one sub-key (its peer id), so a late member
     never overwrites another's vote. A member whose reducer refused a groupmate's update says so in
-    its record, so every member learns of it (one member may have reduced the whole vector):
+    its record, so every member learns of it (each reducer sees only its own slice):
     :attr:`heard_refused` holds what the others reported in the last exchange.
     """
 
