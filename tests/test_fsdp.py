@@ -14,7 +14,7 @@ from tests.conftest import Swarm, site_config, write_trace
 
 pytestmark = pytest.mark.swarm
 
-SPEEDUP, HOURS = 300.0, 3
+SPEEDUP, HOURS = 300.0, 2
 
 
 def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path: Path) -> None:

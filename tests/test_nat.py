@@ -25,7 +25,7 @@ from tests.conftest import Swarm, site_config, write_trace
 pytestmark = [pytest.mark.nat, pytest.mark.swarm]
 
 HUB_PORT = 31337
-SPEEDUP, SYNC_S, STARTUP_S, TRACE_MIN = 60.0, 600.0, 30.0, 80
+SPEEDUP, SYNC_S, STARTUP_S, TRACE_MIN = 60.0, 600.0, 30.0, 64
 
 
 @pytest.fixture

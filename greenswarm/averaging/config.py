@@ -47,8 +47,11 @@ class AveragingConfig:
     dissenting site's wait for the majority's state); a member that has not answered by then counts
     as disagreeing.
     ``max_norm_ratio``: a groupmate's pseudo-gradient whose norm is more than this many times the
-    (lower) median of the others' is refused before it is averaged, as is one with NaN/Inf; 0 turns
-    the norm check off (NaN/Inf are always refused). See docs/security.md.
+    group's scale (the other members' updates, now and in their last rounds) is refused before it is
+    averaged, as is one with NaN/Inf; 0 turns the norm check off (NaN/Inf are always refused). The
+    default, 100, leaves room for sites whose rounds hold very different amounts of training (the
+    demo's sites, sharing two cores, differ up to 26x); a swarm of like sites can set 10. See
+    docs/security.md.
     """
 
     sync_interval_s: float = 600.0
@@ -66,7 +69,7 @@ class AveragingConfig:
     state_timeout_s: float = 60.0
     agreement_timeout_s: float = 15.0
     max_group_size: int = 64
-    max_norm_ratio: float = 10.0
+    max_norm_ratio: float = 100.0
 
     def validate(self) -> None:
         _positive(self.sync_interval_s, "sync_interval_s")

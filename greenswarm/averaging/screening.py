@@ -5,9 +5,14 @@ larger than everyone else's (a bug, or an attack): averaged in, either ruins eve
 in one round. Two checks keep them out, and both act *before* a value is accumulated:
 
 1. **Claims, checked by the whole group.** Each member gathers the norm of the update it is about to
-   send. Every member reads the same gathered claims and computes the same verdict
-   (:func:`screen_claims`): a claim that is missing, NaN/Inf, or more than ``max_norm_ratio`` times
-   the lower median of the other members' claims is refused. A refused member takes no part in the
+   send, and the norm of the last update it applied to the global model (``recent``). Every member
+   reads the same gathered claims and computes the same verdict (:func:`screen_claims`): a claim
+   that is missing, NaN/Inf, or more than ``max_norm_ratio`` times the group's *scale* is refused.
+   A member's scale comes from the *other* members only: the larger of the lower median of their
+   claims and the lower median of their recent updates. The second keeps an honest site that trained
+   much longer this round than its groupmates (one entered its window just before the boundary)
+   from being refused as an outlier round after round; judging each member by the others' figures
+   keeps its own inflated claims from widening its limit. A refused member takes no part in the
    all-reduce (it sends nothing and reduces nothing), so the others end with exactly the average
    they would have computed had it sent nothing.
 2. **Parts, checked by each reducer.** A member may lie in its claim. Each reducer checks every
@@ -41,18 +46,34 @@ def screen_claims(claims: dict[str, Any], max_norm_ratio: float) -> dict[str, st
         else:
             norms[peer] = float(norm)
     if max_norm_ratio > 0:
+        recents = {p: _positive(u.get("recent")) for p, u in claims.items() if isinstance(u, dict)}
         for peer, norm in norms.items():
-            # zero updates (a member that trained nothing) say nothing about the scale
-            others = sorted(n for p, n in norms.items() if p != peer and n > 0)
-            if not others:
+            # a member is judged by the others' figures only, so its own claims cannot widen its
+            # limit; zero updates and newcomers (no recent update) say nothing about the scale
+            now = _lower_median([n for p, n in norms.items() if p != peer])
+            recent = _lower_median([r for p, r in recents.items() if p != peer])
+            reference = max(now, recent)
+            if reference <= 0:
                 continue
-            reference = others[(len(others) - 1) // 2]  # the lower median: robust to one huge claim
             if norm > max_norm_ratio * reference:
                 refused[peer] = (
                     f"its update norm {norm:.3g} is {norm / reference:.0f}x the group's median "
                     f"{reference:.3g} (limit {max_norm_ratio:g}x)"
                 )
     return refused
+
+
+def _positive(value: Any) -> float:
+    """A gathered number if it is a finite positive float, else 0 (missing, garbled or a newcomer's)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0.0
+    return max(0.0, float(value))
+
+
+def _lower_median(values: list[float]) -> float:
+    """The lower median of the positive values (0 if none): one inflated value cannot raise it."""
+    positive = sorted(v for v in values if v > 0)
+    return positive[(len(positive) - 1) // 2] if positive else 0.0
 
 
 def screen_part(part: torch.Tensor, claimed_norm: float | None) -> str | None:

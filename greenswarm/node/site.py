@@ -25,6 +25,7 @@ import torch
 from greenswarm.averaging.agreement import DigestBoard, Verdict, decide, state_digest
 from greenswarm.averaging.averager import RoundOutcome, SwarmAverager
 from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
+from greenswarm.averaging.screening import update_norm
 from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
@@ -116,6 +117,7 @@ class SiteNode:
         self.rounds = RoundLog(cfg.node.run_dir, self.started)
         self.membership = None  # this site's checked membership certificate, when it has one
         self.admission: Admission | None = None  # who may train with this site (None: anyone)
+        self.recent_update_norm = 0.0  # norm of the last update applied to the global model
         self.dht = self.averager = self.view = self.publisher = self.digests = self.entry = None
 
     # ------------------------------------------------------------------ public
@@ -229,6 +231,7 @@ class SiteNode:
             averaged, members = delta, [self.peer_id]
         with self._state_lock:
             self.outer.step(averaged)
+            self.recent_update_norm = update_norm(averaged)
             self.outer_round += 1
             self.lineage = next_lineage(self.lineage, self._slot, members)
             self.round_index = self._slot
@@ -312,7 +315,12 @@ class SiteNode:
             round_index=self._slot,
             lineage=self.lineage,
             expected_size=1 + len(partners),
-            gather={"site": self.cfg.name, "tokens": self.tokens_since_sync, "outer_round": self.outer_round},
+            gather={
+                "site": self.cfg.name,
+                "tokens": self.tokens_since_sync,
+                "outer_round": self.outer_round,
+                "recent": self.recent_update_norm,  # the scale the group screens updates against
+            },
         )
         for peer, why in outcome.refused.items():
             self._note_refusal(outcome, peer, why)
