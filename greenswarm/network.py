@@ -256,11 +256,8 @@ def start_dht(
             """hivemind's shutdown -- unless the p2p daemon is gone already, as after a Ctrl-C or a
             SIGTERM to the process group (p2pd gets it too): nothing is left to close cleanly then,
             and hivemind's DHT process would spend seconds of timeouts on the dead daemon."""
-            if self.is_alive() and not daemon_alive(self.pid):
-                self.kill()  # it ignores SIGTERM: its owner stops it (procs.on_termination)
-                self.join(2.0)
-                return
-            super().shutdown()
+            if not kill_if_daemon_gone(self, self.pid):
+                super().shutdown()
 
     _register_p2pd_modes()
     delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
@@ -308,15 +305,23 @@ def start_dht(
             raise SwarmError(f"cannot start the p2p daemon: {text}") from None
 
 
-def daemon_alive(pid: int) -> bool:
-    """Whether the process ``pid`` (a DHT process) still has a live p2pd daemon."""
+def kill_if_daemon_gone(helper: Any, dht_pid: int) -> bool:
+    """Kill a hivemind helper process (a DHT or an averager) when the p2p daemon under the DHT
+    process ``dht_pid`` is gone already, as after a Ctrl-C or a SIGTERM to the process group (p2pd
+    gets it too): nothing is left to close cleanly then, and hivemind's shutdown would spend seconds
+    of timeouts on the dead daemon. Returns whether it did; if not, shut the helper down as usual."""
     import psutil
 
     try:
-        daemons = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "p2pd"]
-        return any(p.status() != psutil.STATUS_ZOMBIE for p in daemons)
+        daemons = [p for p in psutil.Process(dht_pid).children(recursive=True) if p.name() == "p2pd"]
+        alive = any(p.status() != psutil.STATUS_ZOMBIE for p in daemons)
     except psutil.NoSuchProcess:
+        alive = False
+    if alive or not helper.is_alive():
         return False
+    helper.kill()  # it ignores SIGTERM: its owner stops it (procs.on_termination)
+    helper.join(2.0)
+    return True
 
 
 def visible_peer_maddrs(dht: DHT) -> list[str]:

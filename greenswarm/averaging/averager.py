@@ -53,7 +53,7 @@ from greenswarm.averaging.outer import group_bits
 from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
-from greenswarm.network import daemon_alive
+from greenswarm.network import kill_if_daemon_gone
 from greenswarm.procs import exit_with_parent
 from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
@@ -141,14 +141,11 @@ class SwarmAverager(DecentralizedAverager):
         super().run()
 
     def shutdown(self) -> None:
-        """hivemind's shutdown -- unless the DHT's p2p daemon (which this averager talks through) is
-        gone already, as after a Ctrl-C to the process group: then there is nothing to close cleanly."""
+        """hivemind's shutdown -- unless the DHT's p2p daemon, which this averager talks through, is
+        gone already (see :func:`greenswarm.network.kill_if_daemon_gone`)."""
         dht_pid = getattr(self.dht, "pid", None)
-        if self.is_alive() and dht_pid is not None and not daemon_alive(dht_pid):
-            self.kill()  # it ignores SIGTERM: its owner stops it
-            self.join(2.0)
-            return
-        super().shutdown()
+        if dht_pid is None or not kill_if_daemon_gone(self, dht_pid):
+            super().shutdown()
 
     # ---- serving state (runs in this process, on hivemind's background thread) ----
 
@@ -377,16 +374,16 @@ class SwarmAverager(DecentralizedAverager):
             raise ValueError(why)
         for peer, why in refused.items():
             log.warning("refusing the update of %s: %s", _name(peer, claims.get(peer)), why)
-        modes = []
-        for blob in group_info.gathered:
-            _bandwidth, mode, _user = self.serializer.loads(blob)
-            modes.append(AveragingMode(mode))
-        kept = [0.0 if peer in refused else float(f) for (peer, _), f in zip(users, fractions, strict=True)]
+        # hivemind's own rule (a member with no share of the vector is a client), except that a
+        # refused member is an auxiliary: it has no share and sends nothing
+        peers = [peer for peer, _ in users]
+        modes = [
+            AveragingMode.AUX if peer in refused else AveragingMode.CLIENT if f == 0 else AveragingMode.NODE
+            for peer, f in zip(peers, fractions, strict=True)
+        ]
+        kept = [0.0 if peer in refused else float(f) for peer, f in zip(peers, fractions, strict=True)]
         if not sum(kept):
             raise ValueError("no member is left to reduce the group's parts")
-        for i, (peer, _) in enumerate(users):
-            if peer in refused:
-                modes[i] = AveragingMode.AUX
         return {
             "modes": tuple(modes),
             "peer_fractions": tuple(f / sum(kept) for f in kept),

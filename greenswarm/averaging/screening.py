@@ -2,7 +2,8 @@
 
 A member of a group may send a pseudo-gradient with NaN/Inf (a diverged or broken site) or one far
 larger than everyone else's (a bug, or an attack): averaged in, either ruins every member's model
-in one round. Two checks keep them out, and both act *before* a value is accumulated:
+in one round. Two checks keep them out, and both act *before* a value is accumulated (a third,
+:func:`within_claims`, checks the result):
 
 1. **Claims, checked by the whole group.** Each member gathers the norm of the update it is about to
    send, and the norm of the last update it applied to the global model (``recent``). Every member
@@ -57,7 +58,7 @@ def screen_claims(claims: dict[str, Any], max_norm_ratio: float) -> dict[str, st
                 continue
             if norm > max_norm_ratio * reference:
                 refused[peer] = (
-                    f"its update norm {norm:.3g} is {norm / reference:.0f}x the group's median "
+                    f"its update norm {norm:.3g} is {norm / reference:.0f}x the group's scale "
                     f"{reference:.3g} (limit {max_norm_ratio:g}x)"
                 )
     return refused

@@ -476,8 +476,7 @@ class SiteNode:
             load_or_create_identity(identity)
         seed = None
         if cfg.swarm.certificate:
-            self._check_membership()
-            self.admission = Admission.from_files(cfg.swarm.name, cfg.swarm.authority, cfg.swarm.certificate)
+            self.admission = self._check_membership()
             seed = identity_seed(identity)
         validators = record_validators(cfg.swarm.name, self.admission, seed)
         self.reachability, why = resolve_reachability(cfg.swarm)
@@ -523,8 +522,9 @@ class SiteNode:
         )
         self._report(force=True)
 
-    def _check_membership(self) -> None:
-        """Refuse to start with a certificate that is not this site's, this swarm's, or valid now."""
+    def _check_membership(self) -> Admission:
+        """Refuse to start with a certificate that is not this site's, this swarm's, or valid now;
+        return what the site checks its peers with (and shows them)."""
         from greenswarm.bootstrap.identity import read_identity
         from greenswarm.security.certificates import CertificateError, load_authority_public, verify
 
@@ -547,6 +547,7 @@ class SiteNode:
             _fmt_clock(membership.expires),
             swarm.certificate,
         )
+        return Admission.from_files(swarm.name, swarm.authority, swarm.certificate)
 
     def _resume(self) -> None:
         payload = self.checkpointer.load()
