@@ -9,6 +9,7 @@ operator would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,10 @@ from greenswarm.errors import GreenswarmError
 from greenswarm.procs import reap_children
 
 SWARM = "greenswarm-demo"
-STARTUP_S = 25.0  # wall seconds the sites get to start (imports, model, DHT) before the replay begins
+#: the longest the sites may take to start (imports, model, DHT); the replay begins as soon as all
+#: of them are ready, however long that took on this machine
+STARTUP_TIMEOUT_S = 300.0
+START_LEAD_S = 1.0  # wall seconds between the start file and the replay's start: every site sees it
 
 
 @dataclass
@@ -79,7 +83,7 @@ def _site_config(
     count: int,
     peers: list[str],
     speedup: float,
-    start_wall: float,
+    start_file: Path,
     workdir: Path,
 ) -> dict[str, Any]:
     name = _site_name(region)
@@ -95,7 +99,7 @@ def _site_config(
         "scheduler": {
             "trace": trace_spec,
             "threshold": opts.threshold,
-            "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
+            "clock": {"kind": "replay", "speedup": speedup, "start_file": str(start_file)},
         },
         "averaging": {"sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
         "node": {
@@ -169,6 +173,44 @@ def _start_bootstrap(children: _Children, workdir: Path) -> list[str]:
     raise GreenswarmError("the bootstrap peer did not start within 60 s")
 
 
+def _start_replay(children: _Children, workdir: Path, start_file: Path, live: bool) -> float:
+    """Start the replay once every site has joined the swarm and waits for it (the sites share one
+    start, and none misses the first windows because this machine was slow to start it); return it."""
+    from rich.console import Console
+
+    status = Console(stderr=True).status("starting the sites") if live else contextlib.nullcontext()
+    with status as shown:
+        return _wait_and_start(children, workdir, start_file, shown)
+
+
+def _wait_and_start(children: _Children, workdir: Path, start_file: Path, shown: Any) -> float:
+    from greenswarm.scheduler.clock import WAITING_FOR_START, write_start_file
+
+    sites = [name for name in children.procs if name != "bootstrap"]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        waiting = []
+        for name in sites:
+            log = workdir / "logs" / f"{name}.log"
+            if WAITING_FOR_START in log.read_text(errors="replace"):
+                continue
+            if children.procs[name].poll() is not None:
+                raise GreenswarmError(f"{name} exited while starting; see its log: {log}")
+            waiting.append(name)
+        if not waiting:
+            break
+        if shown is not None:
+            shown.update(f"starting the sites: {len(sites) - len(waiting)} of {len(sites)} ready")
+        if time.monotonic() > deadline:
+            raise GreenswarmError(
+                f"{', '.join(waiting)} did not start within {STARTUP_TIMEOUT_S:.0f} s; see {workdir / 'logs'}"
+            )
+        time.sleep(0.2)
+    start_wall = time.time() + START_LEAD_S
+    write_start_file(start_file, start_wall)
+    return start_wall
+
+
 def run_demo(opts: DemoOptions) -> int:
     trace, regions, hours, speedup = plan_sites(opts)
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="greenswarm-demo-")).resolve()
@@ -179,14 +221,16 @@ def run_demo(opts: DemoOptions) -> int:
     started = time.monotonic()
     try:
         peers = _start_bootstrap(children, workdir)
-        start_wall = time.time() + STARTUP_S
+        start_file = workdir / "replay.start"
+        start_file.unlink(missing_ok=True)  # a reused work directory: the last run's start is not this one's
         for i, region in enumerate(regions):
-            cfg = _site_config(opts, trace_spec, region, i, len(regions), peers, speedup, start_wall, workdir)
+            cfg = _site_config(opts, trace_spec, region, i, len(regions), peers, speedup, start_file, workdir)
             path = workdir / f"{cfg['name']}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             children.start(
                 cfg["name"], ["node", "--config", str(path)], workdir / "logs" / f"{cfg['name']}.log"
             )
+        start_wall = _start_replay(children, workdir, start_file, opts.live)
         end_wall = start_wall + hours * 3600 / speedup
         from greenswarm.demo_view import watch_demo
 

@@ -202,7 +202,10 @@ class Campaign:
         name = self.current[site]
         time.sleep(self.stop_s)  # frozen: the others must give up on it and go on
         signal_site(self.swarm.procs[name].pid, signal.SIGCONT)  # the whole tree, as it was frozen
-        time.sleep(3 * SYNC_S / SPEEDUP)  # thawed: it must notice its rounds failed and rejoin
+        thawed = time.time()
+        deadline = time.monotonic() + 10 * SYNC_S / SPEEDUP
+        while time.monotonic() < deadline and not self._round_since(site, thawed):
+            time.sleep(0.1)  # thawed: it must notice that its round failed, and end one again
         self.swarm.kill(name, signal.SIGTERM)  # then a clean stop (final checkpoint) and a restart
         self.swarm.wait(name, timeout=60)
         result.left_processes = _session_alive(self.swarm.procs[name].pid)
@@ -226,6 +229,14 @@ class Campaign:
             self.swarm.kill(self.current[site], signal.SIGTERM)
         for site in SITES:
             self.swarm.wait(self.current[site], timeout=60)
+
+    def _round_since(self, site: str, wall: float) -> bool:
+        """Whether the site's current process has ended a round (any outcome) since wall time ``wall``."""
+        pid = self.swarm.procs[self.current[site]].pid
+        return any(
+            e["pid"] == pid and e["wall_time"] > wall
+            for e in read_rounds(self.workdir / site / "rounds.jsonl")
+        )
 
     def _all_back(self) -> bool:
         for site in SITES:

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
+from greenswarm.scheduler.clock import WAITING_FOR_START, write_start_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,6 +189,28 @@ class Swarm:
     def log(self, name: str) -> str:
         return self.logs[name].read_text()
 
+    def start_replay(
+        self, names: list[str], start_file: Path, lead_s: float = 0.5, timeout: float = 180
+    ) -> float:
+        """Start the replay of sites ``names`` (configured with ``start_file``) once every one of them has
+        joined the swarm and waits for it -- however long that took on a busy machine -- and return the
+        replay's start (Unix seconds): the shared moment their trace time begins."""
+        deadline = time.monotonic() + timeout
+        waiting = list(names)
+        while waiting:
+            waiting = [n for n in waiting if WAITING_FOR_START not in self.log(n)]
+            for name in waiting:
+                if self.procs[name].poll() is not None:
+                    raise AssertionError(
+                        f"{name} exited before the replay started:\n{self.log(name)[-3000:]}"
+                    )
+            if waiting and time.monotonic() > deadline:
+                raise AssertionError(f"{', '.join(waiting)} not ready to start the replay in {timeout:.0f} s")
+            time.sleep(0.1)
+        start_wall = time.time() + lead_s
+        write_start_file(start_file, start_wall)
+        return start_wall
+
     def close(self) -> None:
         """Stop every command (SIGTERM to its session, then SIGKILL) and record in :data:`LEFT` any
         process it had started that is still alive afterwards -- also those outside its session, such
@@ -283,13 +306,17 @@ def site_config(
     run_dir: Path,
     *,
     speedup: float,
-    start_wall: float,
+    start_wall: float | None = None,
+    start_file: Path | None = None,
     sync_s: float,
     shard: int = 0,
     shards: int = 1,
     **sections: Any,
 ) -> dict:
-    """A small, fast site config for multi-process tests (tiny model, one thread, replay clock)."""
+    """A small, fast site config for multi-process tests (tiny model, one thread, replay clock that
+    starts at ``start_wall``, or when :meth:`Swarm.start_replay` writes ``start_file``)."""
+    clock: dict[str, Any] = {"kind": "replay", "speedup": speedup}
+    clock.update({"start_file": str(start_file)} if start_file is not None else {"start_wall": start_wall})
     cfg: dict[str, Any] = {
         "name": name,
         "region": region,
@@ -298,7 +325,7 @@ def site_config(
         "train": {"threads": 1, "batch_size": 4, "micro_batch_size": 4},
         "scheduler": {
             "trace": str(trace),
-            "clock": {"kind": "replay", "speedup": speedup, "start_wall": start_wall},
+            "clock": clock,
         },
         "averaging": {"sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
         "node": {

@@ -197,9 +197,9 @@ def test_an_outsider_cannot_join_download_or_publish(swarm: dict[str, Peer], tmp
 
     # members publish progress; the outsider's record reaches no certified reader
     for peer in (a, b, x):  # (ttl: the outsider's record would still be live when the reader looks)
-        ProgressPublisher(peer.dht, SWARM, peer.validators, refresh_s=60, ttl_s=60).maybe_publish(
-            lambda peer=peer: _record(peer), force=True
-        )
+        publisher = ProgressPublisher(peer.dht, SWARM, peer.validators, refresh_s=60, ttl_s=60)
+        publisher.maybe_publish(lambda peer=peer: _record(peer), force=True)
+        publisher.flush(timeout=30)  # every write has ended, taken or refused, before anyone reads
     seen = _poll_sites(a.dht, {"a", "b"})
     assert seen == {"a", "b"}, seen
 
@@ -274,7 +274,6 @@ def _poll_sites(dht: object, want: set[str], timeout: float = 15.0) -> set[str]:
     while time.monotonic() < deadline:
         seen = {r.site for r in fetch_records(dht, SWARM)}
         if want <= seen:
-            time.sleep(1.0)  # and give the outsider's record the same time to show up, if it could
-            return {r.site for r in fetch_records(dht, SWARM)}
+            return seen
         time.sleep(0.3)
     return seen

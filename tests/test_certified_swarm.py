@@ -22,7 +22,7 @@ from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.security]
 
-SPEEDUP, SYNC_S, STARTUP_S, MINUTES = 120.0, 600.0, 16.0, 50
+SPEEDUP, SYNC_S, MINUTES = 120.0, 600.0, 50
 MEMBERS = ("a", "b", "p")
 
 
@@ -33,7 +33,7 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
     peers = swarm.bootstrap(
         "bootstrap", "test", "/ip4/127.0.0.1/tcp/0", "", "--authority", f"{authority}.pub"
     )
-    start_wall = time.time() + STARTUP_S
+    start_file = tmp_path / "start"
     for i, name in enumerate((*MEMBERS, "x")):
         identity = tmp_path / f"{name}.key"
         swarm_section = {"identity": str(identity)}
@@ -42,12 +42,13 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
                   valid_s=3600, out=tmp_path / f"{name}.cert")  # fmt: skip
             swarm_section.update(certificate=str(tmp_path / f"{name}.cert"), authority=f"{authority}.pub")
         cfg = site_config(
-            name, "R", trace, peers, tmp_path / name, speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S,
+            name, "R", trace, peers, tmp_path / name, speedup=SPEEDUP, start_file=start_file, sync_s=SYNC_S,
             shard=i, shards=4, swarm=swarm_section,
         )  # fmt: skip
         # p poisons its first two all-reduces: NaN, then 1000x (each while claiming the clean norm)
         faults = {"GREENSWARM_FAULTS": "poison-nan@1,poison-scale@2"} if name == "p" else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
+    start_wall = swarm.start_replay([*MEMBERS, "x"], start_file)
 
     # while they run, greenswarm progress (with the authority) shows the members, a refusal, no outsider
     seen: dict[str, dict] = {}
@@ -60,7 +61,7 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
         return any(r.get("refused", 0) > 0 for r in seen.values())
 
     # (the last record of a site lives on for node.progress_ttl_s after it stops)
-    run_s = STARTUP_S + MINUTES * 60 / SPEEDUP
+    run_s = start_wall + MINUTES * 60 / SPEEDUP - time.time()
     wait_until(refusal_shown, timeout=run_s + 15, what="a refusal in greenswarm progress")
     assert set(seen) <= set(MEMBERS), seen.keys()
 

@@ -15,6 +15,7 @@ from greenswarm.averaging.codecs import (
     TAG_INT7_ZSTD,
     TAG_INT8,
     WIRE_FORMATS,
+    CarriesNaN,
     GreenswarmCompression,
     WireFormatError,
     wire_format,
@@ -112,6 +113,26 @@ def test_non_finite_values_are_refused_not_coded() -> None:
     for name in ("bf16", *INT_FORMATS):
         with pytest.raises(WireFormatError, match="NaN"):
             WIRE_FORMATS[name].roundtrip(x)
+
+
+@pytest.mark.parametrize("name", list(WIRE_FORMATS))
+def test_a_poisoner_puts_nan_on_the_wire_in_every_format(name: str) -> None:
+    """The poison-nan fault sends through CarriesNaN: a receiver decodes NaN where the sender had it
+    (the group's reducers must meet it, as they would from a hand-written peer), and finite vectors
+    are coded exactly as the format codes them."""
+    fmt = WIRE_FORMATS[name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * BLOCK + 5, generator=gen)
+    assert torch.equal(_carried(fmt, x), fmt.roundtrip(x))
+    x[BLOCK + 3] = float("nan")
+    decoded = _carried(fmt, x)
+    assert torch.isnan(decoded[BLOCK + 3])
+    if name != "scaled-fp16":  # (which scales a whole part by its statistics: all of it is NaN)
+        assert torch.isfinite(decoded[:BLOCK]).all()  # other blocks are untouched
+
+
+def _carried(fmt, x: torch.Tensor) -> torch.Tensor:
+    return deserialize_torch_tensor(CarriesNaN(fmt.compression).compress(x, CompressionInfo.from_tensor(x)))
 
 
 @pytest.mark.parametrize(

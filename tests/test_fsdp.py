@@ -20,7 +20,7 @@ SPEEDUP, HOURS = 300.0, 2
 def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * HOURS}, step_s=3600)
     peers = swarm.bootstrap()
-    start_wall = time.time() + 30
+    start_file = tmp_path / "start"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     for name, shard, prefix in (("site-fsdp", 0, torchrun), ("site-single", 1, None)):
         cfg = site_config(
@@ -30,15 +30,16 @@ def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path
             peers,
             tmp_path / name,
             speedup=SPEEDUP,
-            start_wall=start_wall,
+            start_file=start_file,
             sync_s=900.0,
             shard=shard,
             shards=2,
             node={"keep_globals": 100},
         )
         swarm.node(name, swarm.write_config(name, cfg), prefix=prefix)
+    end_wall = swarm.start_replay(["site-fsdp", "site-single"], start_file) + HOURS * 3600 / SPEEDUP
     for name in ("site-fsdp", "site-single"):
-        assert swarm.wait(name, timeout=30 + HOURS * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-4000:]
+        assert swarm.wait(name, timeout=end_wall + 120 - time.time()) == 0, swarm.log(name)[-4000:]
 
     fsdp = json.loads((tmp_path / "site-fsdp" / "summary.json").read_text())
     single = json.loads((tmp_path / "site-single" / "summary.json").read_text())

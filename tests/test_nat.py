@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from tests import netns
-from tests.conftest import Swarm, site_config, write_trace
+from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.nat, pytest.mark.swarm]
 
 HUB_PORT = 31337
-SPEEDUP, SYNC_S, STARTUP_S, TRACE_MIN = 60.0, 600.0, 30.0, 64
+SPEEDUP, SYNC_S, TRACE_MIN = 60.0, 600.0, 64
 
 
 @pytest.fixture
@@ -85,13 +85,13 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
                 assert not topology.reachable(a.ns, b.addr, 22), (a.ns, b.addr)
     peers = _bootstrap(swarm, topology)
     trace = write_trace(tmp_path / "trace.csv", {"R": [20.0] * (TRACE_MIN // 5)})
-    start_wall = time.time() + STARTUP_S
+    start_file = tmp_path / "start"
     before = topology.hub_bytes()
     for i, site in enumerate(sites):
         name = f"site{i}"
         cfg = site_config(
             name, "R", trace, peers, tmp_path / name,
-            speedup=SPEEDUP, start_wall=start_wall, sync_s=SYNC_S, shard=i, shards=3,
+            speedup=SPEEDUP, start_file=start_file, sync_s=SYNC_S, shard=i, shards=3,
             node={"keep_globals": 100},
             averaging={"wire": "fp16"},  # a fixed format, so the hub's byte count below is known
         )  # fmt: skip
@@ -99,11 +99,10 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
         swarm.node(
             name, swarm.write_config(name, cfg), prefix=[*topology.exec_prefix(site.ns), sys.executable]
         )
+    end_wall = swarm.start_replay([f"site{i}" for i in range(3)], start_file) + TRACE_MIN * 60 / SPEEDUP
 
     # mid-run, `greenswarm progress` from inside a NAT'ed site lists every site
-    time.sleep(max(0.0, start_wall + (TRACE_MIN / 2) * 60 / SPEEDUP - time.time()))
-    names: list[str] = []
-    for _ in range(3):  # a record can lapse for a moment when three sites share two cores
+    def every_site_listed() -> bool:
         listed = swarm.run_in(
             topology.exec_prefix(sites[0].ns),
             "progress",
@@ -114,16 +113,14 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
             "--json",
         )
         assert listed.returncode == 0, listed.stderr
-        names = sorted(r["site"] for r in json.loads(listed.stdout))
-        if names == ["site0", "site1", "site2"]:
-            break
-        time.sleep(2)
-    assert names == ["site0", "site1", "site2"], [swarm.log(f"site{i}")[-500:] for i in range(3)]
+        return sorted(r["site"] for r in json.loads(listed.stdout)) == ["site0", "site1", "site2"]
+
+    wait_until(every_site_listed, end_wall - time.time(), "every site in greenswarm progress")
 
     for i in range(3):
-        assert swarm.wait(f"site{i}", timeout=STARTUP_S + TRACE_MIN * 60 / SPEEDUP + 120) == 0, swarm.log(
-            f"site{i}"
-        )[-3000:]
+        assert swarm.wait(f"site{i}", timeout=end_wall + 120 - time.time()) == 0, swarm.log(f"site{i}")[
+            -3000:
+        ]
     after = topology.hub_bytes()
 
     summaries = [json.loads((tmp_path / f"site{i}" / "summary.json").read_text()) for i in range(3)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,7 @@ from greenswarm.scheduler import (
     parse_instant,
 )
 from greenswarm.scheduler import clock as clock_module
+from greenswarm.scheduler.clock import write_start_file
 from greenswarm.traces import Trace, builtin_trace, read_csv_trace
 from tests._shared import shared_path
 
@@ -207,6 +210,35 @@ def test_make_clock(fake_time):
     assert (replay.start, replay.speedup, replay.start_wall) == (600.0, 10.0, 5.0)
 
 
+def test_a_replay_with_a_start_file_waits_for_it(fake_time, tmp_path):
+    """Sites launched at different moments (or slowly, on a busy machine) share the start whoever
+    launched them writes once all are ready; until then the clock stands at the replay's start."""
+    start_file = tmp_path / "start"
+    cfg = ClockConfig(kind="replay", speedup=60.0, start_file=str(start_file))
+    clock = make_clock(cfg, trace_start=5000.0)
+    assert not clock.started and clock.now() == 5000.0
+    assert not clock.wait_for_start(timeout_s=0.0)  # nobody wrote it: the wait gives up on time
+    stop = threading.Event()
+    stop.set()
+    assert not clock.wait_for_start(stop=stop)  # a stop request ends the wait
+    write_start_file(start_file, fake_time.now + 10.0)
+    assert clock.wait_for_start() and clock.started
+    assert clock.now() == 5000.0 - 10 * 60  # the start lies ahead: before the trace's start
+    fake_time.now += 12.0
+    late = make_clock(cfg, trace_start=5000.0)  # a site restarted later reads the same start
+    assert late.now() == clock.now() == 5000.0 + 2 * 60
+
+
+def test_a_start_file_must_hold_a_time(tmp_path):
+    start_file = tmp_path / "start"
+    start_file.write_text("soon")
+    clock = ReplayClock(start=0.0, speedup=1.0, start_file=start_file)
+    with pytest.raises(ConfigError, match="expected the replay's start as Unix seconds"):
+        clock.wait_for_start()
+    with pytest.raises(ValueError, match="not both"):
+        ReplayClock(start=0.0, speedup=1.0, start_wall=1.0, start_file=start_file)
+
+
 def test_parse_instant():
     assert parse_instant("1970-01-01T00:01:00Z") == 60.0
     assert parse_instant("1970-01-01 01:00:00+01:00") == 0.0
@@ -252,6 +284,8 @@ def test_config_defaults_validate():
         (SchedulerConfig(clock=ClockConfig(speedup=float("nan"))), "clock.speedup", "must be a number"),
         (SchedulerConfig(clock=ClockConfig(start="2026-01-11")), "clock.start", "no UTC offset"),
         (SchedulerConfig(clock=ClockConfig(start_wall=-5)), "clock.start_wall", "must be >= 0"),
+        (SchedulerConfig(clock=ClockConfig(start_wall=5, start_file="s")), "clock.start_file", "not both"),
+        (SchedulerConfig(clock=ClockConfig(start_file="")), "clock.start_file", "must be a file path"),
         (EnergyConfig(train_kw=-1), "train_kw", "must be >= 0"),
         (EnergyConfig(idle_kw="x"), "idle_kw", "must be a number"),
     ],

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import Swarm, site_config, write_trace
+from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = pytest.mark.swarm
 
 LOW, HIGH = 20.0, 500.0
 WINDOWS_MIN = {"WEST": (0, 105), "MID": (30, 150), "EAST": (60, 120)}
-SPEEDUP, SYNC_S, STARTUP_S = 180.0, 900.0, 25.0
+SPEEDUP, SYNC_S = 180.0, 900.0
 TRANSITION = re.compile(
     r"(IDLE|SOLO|FEDERATED) -> (IDLE|SOLO|FEDERATED) at (\S+ \S+Z).* after (\d+) local steps"
 )
@@ -46,6 +46,11 @@ def _minutes(stamp: str) -> float:
     return int(hours) * 60 + int(minutes)
 
 
+def _record_minute(record: dict) -> float:
+    """Minutes since the trace start of the clock time a progress record was written at."""
+    return (record["clock_time"] - 1767225600) / 60  # 2026-01-01T00:00Z
+
+
 def _expected_state(region: str, minute: float) -> str:
     lo, hi = WINDOWS_MIN[region]
     if not lo <= minute < hi:
@@ -57,7 +62,7 @@ def _expected_state(region: str, minute: float) -> str:
 def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Path) -> None:
     trace = _trace(tmp_path / "trace.csv")
     peers = swarm.bootstrap()
-    start_wall = time.time() + STARTUP_S
+    start_file = tmp_path / "start"
     sites = {}
     for i, region in enumerate(WINDOWS_MIN):
         name = f"site-{region.lower()}"
@@ -68,7 +73,7 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
             peers,
             tmp_path / name,
             speedup=SPEEDUP,
-            start_wall=start_wall,
+            start_file=start_file,
             sync_s=SYNC_S,
             shard=i,
             shards=3,
@@ -79,21 +84,33 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         faults = {"GREENSWARM_FAULTS": "corrupt-result@1"} if region == "EAST" else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
         sites[name] = region
+    start_wall = swarm.start_replay(list(sites), start_file)
 
-    # in the middle of the three-site period, `greenswarm progress --json` lists all three, with the
-    # state the trace implies at the clock time each record was written
-    # (the command itself takes a few wall seconds, i.e. ~10-20 trace minutes, to start and ask)
-    time.sleep(max(0.0, start_wall + 62 * 60 / SPEEDUP - time.time()))
-    listed = json.loads(swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json").stdout)
-    assert sorted(r["site"] for r in listed) == sorted(sites)
+    # in the three-site period, `greenswarm progress --json` lists all three, with the state the
+    # trace implies at the clock time each record was written (asked until every record listed was
+    # written in that period: the command takes a few wall seconds, ~10-20 trace minutes, to answer)
+    listed: list[dict] = []
+
+    def three_site_period_listed() -> bool:
+        out = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json")
+        listed[:] = json.loads(out.stdout) if out.returncode == 0 else []
+        return sorted(r["site"] for r in listed) == sorted(sites) and all(
+            _record_minute(r) >= 60 for r in listed
+        )
+
+    wait_until(
+        three_site_period_listed, start_wall + 120 * 60 / SPEEDUP - time.time(), "all three in progress"
+    )
     for record in listed:
-        minute = (record["clock_time"] - 1767225600) / 60  # 2026-01-01T00:00Z
-        assert 60 <= minute < 120, record  # fresh records, written while all three are (or were just) in
+        minute = _record_minute(record)
+        assert minute < 120, record  # fresh records, written while all three are (or were just) in
         if abs(minute - 105) > 2:  # the state at a window's edge may lag by a training step
             assert record["state"] == _expected_state(record["region"], minute), record
 
     for name in sites:
-        assert swarm.wait(name, timeout=STARTUP_S + 180 * 60 / SPEEDUP + 90) == 0, swarm.log(name)[-3000:]
+        assert swarm.wait(name, timeout=start_wall + 180 * 60 / SPEEDUP + 90 - time.time()) == 0, swarm.log(
+            name
+        )[-3000:]
 
     summaries = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in sites}
     for name, region in sites.items():

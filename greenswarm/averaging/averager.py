@@ -39,14 +39,14 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
-from hivemind.compression import NoCompression, deserialize_torch_tensor
+from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from greenswarm.averaging.codecs import WIRE_FORMATS, wire_format
+from greenswarm.averaging.codecs import WIRE_FORMATS, CarriesNaN, wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
@@ -230,17 +230,21 @@ class SwarmAverager(DecentralizedAverager):
             allreduce_s=self._allreduce_seconds(),
         )
 
-    def _poison(self, coded: torch.Tensor) -> None:
+    def _poison(self, coded: torch.Tensor, compression: CompressionBase) -> CompressionBase:
         """The ``poison-nan`` and ``poison-scale`` faults (averager process): what goes on the wire
         becomes NaN, or 1000x the update, after the clean update's norm was claimed -- what a
-        malicious member would send (greenswarm's own coding refuses to encode NaN)."""
+        malicious member would send. Returns the codec to send with: greenswarm's own formats refuse
+        to encode NaN, so a NaN poisoner sends through :class:`CarriesNaN`, as a hand-written peer
+        would (without it, the poisoner's sends fail and its groupmates never see the poison)."""
         nan, scale = self._faults.fires("poison-nan"), self._faults.fires("poison-scale")  # count both
         if nan:
             log.warning("fault injected: poison-nan (this site sends NaN as its update)")
             coded.fill_(float("nan"))
-        elif scale:
+            return CarriesNaN(compression)
+        if scale:
             log.warning("fault injected: poison-scale (this site sends 1000x its update)")
             coded.mul_(1000)
+        return compression
 
     def _parts_refused(self) -> dict[str, str]:
         """Groupmates whose parts this site's reducer refused in the round just ended."""
@@ -313,8 +317,7 @@ class SwarmAverager(DecentralizedAverager):
         coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
         torch.sub(flat, coded, out=self._residual)
         flat.copy_(coded)
-        self._poison(flat)
-        kwargs["compression"] = fmt.compression
+        kwargs["compression"] = self._poison(flat, fmt.compression)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),

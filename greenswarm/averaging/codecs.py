@@ -170,6 +170,45 @@ class GreenswarmCompression(CompressionBase):
         return 0.5 if self.tag == TAG_BF16 else 0.25
 
 
+class CarriesNaN(CompressionBase):
+    """A codec that puts NaN on the wire where the values have NaN/Inf, as a hand-written peer could.
+
+    greenswarm's own formats refuse to encode NaN/Inf (:class:`GreenswarmCompression`), so a site
+    running them cannot send a poisoned part at all -- but a malicious peer writes the bytes itself:
+    a NaN scale in an int8 block, NaN bits in bf16. The ``poison-nan`` fault hook sends with this
+    codec, so the group's reducers meet NaN on the wire in every format, as they would from such a
+    peer. Finite values are coded exactly as ``inner`` codes them (this codec is also what the
+    poisoning site reduces its slice with).
+    """
+
+    def __init__(self, inner: CompressionBase):
+        self.inner = inner
+        self.compression_type = inner.compression_type
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        if bool(torch.isfinite(tensor).all()) or not isinstance(self.inner, GreenswarmCompression):
+            return self.inner.compress(tensor, info, allow_inplace)  # hivemind's formats carry NaN as is
+        bad = ~torch.isfinite(tensor.detach().reshape(-1).float())
+        clean = self.inner.compress(torch.zeros_like(tensor), info)
+        body = bytearray(clean.buffer)
+        start = _HEADER.size
+        if self.inner.tag == TAG_BF16:  # each value's 16 bits: NaN where the input was not finite
+            bits = torch.frombuffer(body, dtype=torch.int16, offset=start, count=bad.numel())
+            bits[bad] = torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16)
+        else:  # a block's scale is NaN when the block held NaN/Inf: every value of it decodes to NaN
+            blocks = -(-bad.numel() // BLOCK)
+            scales = torch.frombuffer(body, dtype=torch.float32, offset=start, count=blocks)
+            scales[_blocked(bad, torch.bool).any(dim=1)] = float("nan")
+        clean.buffer = bytes(body)
+        return clean
+
+    def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        return self.inner.extract(serialized)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.inner.estimate_compression_ratio(info)
+
+
 def install() -> None:
     """Put greenswarm's decoder in hivemind's registry slot (idempotent; every process does it on
     import of this module, before any averager forks)."""

@@ -39,7 +39,7 @@ from greenswarm.node.rejoin import EntryWatch
 from greenswarm.node.round_log import RoundEntry, RoundLog
 from greenswarm.node.swarm_view import SwarmView, state_key
 from greenswarm.node.trainer import InnerTrainer
-from greenswarm.scheduler.clock import make_clock
+from greenswarm.scheduler.clock import WAITING_FOR_START, make_clock
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
@@ -133,10 +133,18 @@ class SiteNode:
             return None
         try:
             self._start()
-            self._loop()
+            if self._replay_started():
+                self._loop()
             return self._finish()
         finally:
             self._close()
+
+    def _replay_started(self) -> bool:
+        """Wait for a replay whose start comes from a start file: whoever launched the sites writes it
+        once every site has logged that it is ready (this line); a stop request ends the wait."""
+        if not self.clock.started:
+            self.log.info("%s (%s)", WAITING_FOR_START, self.cfg.scheduler.clock.start_file)
+        return self.clock.wait_for_start(self._stop)
 
     # ------------------------------------------------------------------ the algorithm
 

@@ -13,14 +13,22 @@ Several processes replaying one trace agree on clock time as long as they share 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from greenswarm.errors import ConfigError
 
 if TYPE_CHECKING:
     from greenswarm.scheduler.config import ClockConfig
+
+
+#: what a site logs once it has joined the swarm and waits for its replay's start file: whoever
+#: launched the sites writes the file when every one of them has said so
+WAITING_FOR_START = "ready: waiting for the replay to start"
 
 
 class Clock(Protocol):
@@ -36,6 +44,12 @@ class Clock(Protocol):
 
     def sleep_until(self, t: float, max_wall_s: float | None = None) -> None:
         """Sleep (wall) until ``now() >= t``, but at most ``max_wall_s`` wall seconds."""
+        ...
+
+    def wait_for_start(
+        self, stop: threading.Event | None = None, timeout_s: float | None = None, poll_s: float = 0.05
+    ) -> bool:
+        """Block until clock time runs (a replay can wait for its start file); whether it does."""
         ...
 
 
@@ -75,6 +89,17 @@ class ScaledClock:
             time.sleep(nap)
             budget -= nap
 
+    @property
+    def started(self) -> bool:
+        """Whether clock time runs (a replay may still wait for its start file)."""
+        return True
+
+    def wait_for_start(
+        self, stop: threading.Event | None = None, timeout_s: float | None = None, poll_s: float = 0.05
+    ) -> bool:
+        """Block until clock time runs; a clock with a fixed start runs from the outset."""
+        return True
+
     def __repr__(self) -> str:
         name = type(self).__name__
         return f"{name}(start={self.start}, speedup={self.speedup}, start_wall={self.start_wall})"
@@ -90,12 +115,81 @@ class WallClock(ScaledClock):
 class ReplayClock(ScaledClock):
     """Replays trace time from ``start`` at ``speedup`` x real time, beginning at wall time ``start_wall``.
 
-    ``start_wall`` defaults to the moment of construction; sites of one replay must share it.
+    ``start_wall`` defaults to the moment of construction; sites of one replay must share it. With
+    ``start_file`` instead, the start is not known yet: whoever launched the sites writes the shared
+    start time into that file once all of them are ready (the demo and the tests do), and each site
+    waits for it (:meth:`wait_for_start`). A fixed start guesses how long sites take to come up, and
+    on a loaded machine a late site misses the windows it was meant to train in; a start file waits
+    for the event itself. Until the start is known the clock stands at ``start``.
     """
 
-    def __init__(self, start: float, speedup: float, start_wall: float | None = None):
-        wall = time.time() if start_wall is None else start_wall
-        super().__init__(start=start, speedup=speedup, start_wall=wall)
+    def __init__(
+        self,
+        start: float,
+        speedup: float,
+        start_wall: float | None = None,
+        start_file: str | Path | None = None,
+    ):
+        if start_file is not None and start_wall is not None:
+            raise ValueError("give a replay's start_wall or its start_file, not both")
+        wall = time.time() if start_wall is None and start_file is None else start_wall
+        super().__init__(start=start, speedup=speedup, start_wall=math.nan if wall is None else wall)
+        self.start_file = None if start_file is None else Path(start_file)
+
+    @property
+    def started(self) -> bool:
+        """Whether the replay's start is known (always, unless it comes from a start file)."""
+        return not math.isnan(self.start_wall) or self._read_start_file()
+
+    def now(self) -> float:
+        return super().now() if self.started else self.start
+
+    def sleep_until(self, t: float, max_wall_s: float | None = None) -> None:
+        if not self.started:  # nothing moves until the start is known: wait for it, within the budget
+            self.wait_for_start(timeout_s=max_wall_s)
+        if self.started:
+            super().sleep_until(t, max_wall_s)
+
+    def wait_for_start(
+        self, stop: threading.Event | None = None, timeout_s: float | None = None, poll_s: float = 0.05
+    ) -> bool:
+        """Block until the start is known (the start file appeared), ``stop`` is set or ``timeout_s``
+        wall seconds pass; returns whether the replay has a start."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while not self.started:
+            if (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def _read_start_file(self) -> bool:
+        """Take the start from the start file if it is there (it holds Unix seconds, written whole)."""
+        if self.start_file is None:
+            return False
+        try:
+            text = self.start_file.read_text()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise ConfigError(f"cannot read the replay's start file {self.start_file}: {e}") from None
+        try:
+            wall = float(text.strip())
+        except ValueError:
+            wall = math.nan
+        if not math.isfinite(wall) or wall < 0:
+            raise ConfigError(
+                f"{self.start_file}: expected the replay's start as Unix seconds, got {text.strip()[:40]!r}"
+            )
+        self.start_wall = wall
+        return True
+
+
+def write_start_file(path: str | Path, start_wall: float) -> None:
+    """Write a replay's start (Unix seconds) into ``path`` whole: readers see all of it or nothing."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(repr(float(start_wall)))
+    os.replace(partial, path)
 
 
 def parse_instant(text: str) -> float:
@@ -120,4 +214,4 @@ def make_clock(cfg: ClockConfig, trace_start: float) -> Clock:
     if cfg.kind == "wall":
         return WallClock()
     start = trace_start if cfg.start is None else parse_instant(cfg.start)
-    return ReplayClock(start=start, speedup=cfg.speedup, start_wall=cfg.start_wall)
+    return ReplayClock(start=start, speedup=cfg.speedup, start_wall=cfg.start_wall, start_file=cfg.start_file)

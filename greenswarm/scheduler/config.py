@@ -68,13 +68,17 @@ class ClockConfig:
 
     ``start`` is the ISO instant in trace time where a replay begins (default: the trace's start);
     ``start_wall`` the unix wall time at which it begins (default: when the clock is made). Sites of
-    one replay must share ``start_wall`` to agree on clock time. Both are ignored by the wall clock.
+    one replay must share ``start_wall`` to agree on clock time. ``start_file`` instead of
+    ``start_wall``: a file that will hold the shared start (Unix seconds); each site joins the swarm,
+    then waits for it, so whoever launches the sites starts the replay once all of them are ready
+    (the demo does). All of these are ignored by the wall clock.
     """
 
     kind: str = "wall"
     start: str | None = None
     speedup: float = 1.0
     start_wall: float | None = None
+    start_file: str | None = None
 
     def validate(self) -> None:
         if self.kind not in CLOCK_KINDS:
@@ -87,6 +91,11 @@ class ClockConfig:
                 raise err.located("start") from None
         if self.start_wall is not None:
             check_number(self.start_wall, "start_wall", minimum=0.0, inclusive=True)
+        if self.start_file is not None:
+            if not isinstance(self.start_file, str) or not self.start_file.strip():
+                raise ConfigError(f"must be a file path, got {self.start_file!r}", field="start_file")
+            if self.start_wall is not None:
+                raise ConfigError("give start_wall or start_file, not both", field="start_file")
 
 
 @dataclass

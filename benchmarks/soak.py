@@ -1,0 +1,356 @@
+"""Soak: run chosen pytest markers (or the whole suite) N times in a row and count what fails.
+
+A submission lands only when CI passes, so a test that fails one run in ten costs real work. This
+script measures how often each test fails instead of guessing. Every run is a fresh ``pytest``
+process in a fresh temporary directory (its ``--basetemp``, ``TMPDIR`` and pytest cache), with the
+environment ``.ci/run`` sets (``GREENSWARM_REQUIRE_SHARED=1``, ``GREENSWARM_REQUIRE_NAT=1``), so a
+run cannot lean on what an earlier one left behind. Outcomes are read from pytest's JUnit XML.
+
+By default one run is one pytest process over all the markers given (``-m "swarm or faults ..."``),
+so each test runs once per run and "10 runs" means 10 consecutive runs of every marker;
+``--separately`` gives each marker its own pytest process per run instead. ``--full`` runs the
+whole suite (what ``.ci/run`` runs). ``--hog K`` keeps K busy processes spinning beside the runs, as
+on a shared CI machine.
+
+Printed: one line per run as it ends, then a table of every test that failed at least once (test
+id, runs, failures, and the first line of each distinct failure, with how often it was seen), then
+per marker: tests, runs, and runs in which any of its tests failed. A run that leaves a p2pd daemon
+behind, or whose pytest process itself fails (crash, timeout, collection error), is a failure too.
+``--json`` prints the whole report as JSON instead; ``--keep DIR`` keeps every run's directory
+(JUnit XML and pytest's output) there.
+
+    python benchmarks/soak.py [-m swarm faults nat security compression] [--runs 10] [--hog 2]
+    python benchmarks/soak.py --full --runs 3 [--hog 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MARKERS = ("swarm", "faults", "nat", "security", "compression")
+#: what .ci/run exports: tests that would skip elsewhere must run (and fail if they cannot)
+CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1"}
+RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
+
+
+@dataclass
+class RunResult:
+    """One pytest process: what it ran and what failed in it."""
+
+    index: int
+    selection: str
+    markers: list[str]  # the markers this run covered (empty: the whole suite)
+    seconds: float
+    returncode: int
+    passed: int = 0
+    skipped: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # test id -> first line of its failure
+    leaked: list[str] = field(default_factory=list)  # p2pd daemons alive after the run
+
+
+def first_line(text: str) -> str:
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()[:240]
+    return "(no message)"
+
+
+def test_id(case: ET.Element) -> str:
+    """``tests/test_x.py::Class::name`` from a JUnit ``testcase`` (xunit1 carries the file)."""
+    file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+    parts = case.get("classname", "").split(".")
+    module = Path(file).stem
+    inner = parts[parts.index(module) + 1 :] if module in parts else []
+    return "::".join([file, *inner, case.get("name", "?")])
+
+
+def read_junit(path: Path, result: RunResult) -> None:
+    """Fill ``result`` from a JUnit file; a test with a failure or an error (setup or teardown) failed."""
+    for case in ET.parse(path).getroot().iter("testcase"):
+        tid = test_id(case)
+        bad = [el for el in case if el.tag in ("failure", "error")]
+        if bad:
+            el = bad[0]
+            result.failed.setdefault(tid, first_line(el.get("message", "") or el.text or ""))
+        elif case.find("skipped") is not None:
+            result.skipped += 1
+        else:
+            result.passed += 1
+
+
+def p2pd_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "p2pd":
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def run_pytest(
+    index: int,
+    selection: list[str],
+    label: str,
+    markers: list[str],
+    timeout_s: float,
+    keep: Path | None,
+    extra: list[str],
+) -> RunResult:
+    """One fresh pytest process in a fresh temporary directory; its session is killed on timeout."""
+    work = Path(tempfile.mkdtemp(prefix=f"greenswarm-soak-{index}-"))
+    junit = work / "junit.xml"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-o",
+        "junit_family=xunit1",
+        "-o",
+        f"cache_dir={work / 'cache'}",
+        f"--basetemp={work / 'basetemp'}",
+        f"--junitxml={junit}",
+        *selection,
+        *extra,
+    ]
+    env = {**os.environ, **CI_ENV, "TMPDIR": str(work)}
+    before = p2pd_pids()
+    t0 = time.monotonic()
+    with open(work / "pytest.out", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            rc = -9 if rc == 0 else rc
+    result = RunResult(index, label, markers, time.monotonic() - t0, rc)
+    if junit.exists():
+        try:
+            read_junit(junit, result)
+        except ET.ParseError as exc:
+            result.failed[RUN_ID] = f"unreadable JUnit XML: {exc}"
+    if rc not in (0, 1) or (rc == 1 and not result.failed):
+        tail = (work / "pytest.out").read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        why = "timed out" if rc == -9 else f"pytest exited with status {rc}"
+        result.failed.setdefault(RUN_ID, f"{why}: {tail[0][:200]}")
+    time.sleep(1)  # daemons of the last test's peers exit within moments of their parents
+    result.leaked = sorted(str(p) for p in p2pd_pids() - before)
+    if result.leaked:
+        result.failed.setdefault(RUN_ID, f"{len(result.leaked)} p2pd daemon(s) left running after the run")
+        for pid in result.leaked:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if keep:
+        _keep(
+            work,
+            keep / f"run-{index:02d}-{re.sub(r'[^a-z0-9]+', '-', label.lower())[:40]}",
+            bool(result.failed),
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _keep(work: Path, dest: Path, failed: bool) -> None:
+    """Keep a run's JUnit XML and output; after a failure also its tests' directories (logs, configs,
+    round logs), without sockets or checkpoints."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("junit.xml", "pytest.out"):
+        if (work / name).exists():
+            shutil.copy2(work / name, dest / name)
+    if failed and (work / "basetemp").is_dir():
+
+        def skip(folder: str, names: list[str]) -> list[str]:
+            return [n for n in names if n.endswith(".pt") or _special(Path(folder) / n)]
+
+        shutil.copytree(work / "basetemp", dest / "basetemp", symlinks=True, ignore=skip, dirs_exist_ok=True)
+
+
+def _special(path: Path) -> bool:
+    """Sockets, pipes and dangling links: nothing to keep, and copying them fails."""
+    try:
+        return not (path.is_dir() or path.is_file())
+    except OSError:
+        return True
+
+
+def collect(markers: list[str]) -> dict[str, set[str]]:
+    """Which test ids carry each marker (pytest's own selection, so the counts match its ``-m``)."""
+    found: dict[str, set[str]] = {}
+    for marker in markers:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-m", marker],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **CI_ENV},
+        ).stdout
+        found[marker] = {line.strip() for line in out.splitlines() if "::" in line}
+    return found
+
+
+def normalize(message: str) -> str:
+    """Group failures that differ only in numbers (ports, pids, seconds, addresses)."""
+    return re.sub(r"0x[0-9a-f]+|\d+(\.\d+)?", "N", message)
+
+
+def report(runs: list[RunResult], by_marker: dict[str, set[str]], args: argparse.Namespace) -> dict:
+    failures: dict[str, list[str]] = defaultdict(list)
+    for run in runs:
+        for tid, message in run.failed.items():
+            failures[tid].append(message)
+    rows = []
+    for tid, messages in sorted(failures.items()):
+        distinct: dict[str, list] = {}
+        for m in messages:
+            distinct.setdefault(normalize(m), [m, 0])[1] += 1
+        runs_of_test = sum(1 for r in runs if tid in r.failed or _ran(tid, r, by_marker))
+        rows.append(
+            {
+                "test": tid,
+                "runs": runs_of_test,
+                "failures": len(messages),
+                "distinct": [{"first_line": m, "count": n} for m, n in distinct.values()],
+            }
+        )
+    markers = {}
+    for marker, tests in by_marker.items():
+        covering = [r for r in runs if not r.markers or marker in r.markers]
+        markers[marker] = {
+            "tests": len(tests),
+            "runs": len(covering),
+            "runs_with_failure": sum(1 for r in covering if any(t in tests or t == RUN_ID for t in r.failed)),
+        }
+    return {
+        "command": " ".join(sys.argv),
+        "hog": args.hog,
+        "runs": [asdict(r) for r in runs],
+        "failed_tests": rows,
+        "markers": markers,
+        "total_runs": len(runs),
+        "runs_with_failure": sum(1 for r in runs if r.failed),
+        "median_run_s": sorted(r.seconds for r in runs)[len(runs) // 2] if runs else None,
+    }
+
+
+def _ran(tid: str, run: RunResult, by_marker: dict[str, set[str]]) -> bool:
+    """Whether ``run`` ran test ``tid`` (every run has a whole-run row)."""
+    if tid == RUN_ID or not run.markers:
+        return True
+    return any(tid in by_marker.get(marker, ()) for marker in run.markers)
+
+
+def print_report(rep: dict) -> None:
+    print()
+    hog = f" (CPU hog: {rep['hog']} busy processes)" if rep["hog"] else ""
+    median = rep["median_run_s"] or 0
+    print(
+        f"{rep['total_runs']} runs, {rep['runs_with_failure']} with a failure{hog}; median run {median:.0f} s"
+    )
+    if not rep["failed_tests"]:
+        print("no test failed")
+    else:
+        width = max(len(r["test"]) for r in rep["failed_tests"])
+        print(f"{'test':{width}}  {'runs':>4}  {'fail':>4}  first line of each distinct failure (times seen)")
+        for row in rep["failed_tests"]:
+            for i, d in enumerate(row["distinct"]):
+                head = (
+                    f"{row['test']:{width}}  {row['runs']:>4}  {row['failures']:>4}"
+                    if i == 0
+                    else " " * (width + 12)
+                )
+                print(f"{head}  {d['first_line']} (x{d['count']})")
+    print()
+    print(f"{'marker':12} {'tests':>5} {'runs':>4} {'runs with a failure':>20}")
+    for marker, m in rep["markers"].items():
+        print(f"{marker:12} {m['tests']:>5} {m['runs']:>4} {m['runs_with_failure']:>20}")
+
+
+def start_hog(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that spin a core each, as other jobs on a shared CI machine would."""
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--markers", nargs="+", default=list(DEFAULT_MARKERS), help="pytest markers")
+    parser.add_argument("--full", action="store_true", help="run the whole suite, as .ci/run does")
+    parser.add_argument("--runs", type=int, default=10, help="consecutive runs (default 10)")
+    parser.add_argument("--separately", action="store_true", help="one pytest process per marker per run")
+    parser.add_argument(
+        "--hog", type=int, default=0, metavar="K", help="keep K busy processes beside the runs"
+    )
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
+    parser.add_argument("--keep", type=Path, help="keep each run's JUnit XML and output under this folder")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+
+    markers = list(args.markers)
+    if args.full:
+        plans = [([], "all", [])]
+    elif args.separately:
+        plans = [(["-m", m], m, [m]) for m in markers]
+    else:
+        expr = " or ".join(markers)
+        plans = [(["-m", expr], expr, markers)]
+    by_marker = collect(markers)
+    hogs = start_hog(args.hog)
+    runs: list[RunResult] = []
+    try:
+        for i in range(1, args.runs + 1):
+            for selection, label, covered in plans:
+                run = run_pytest(
+                    len(runs) + 1, selection, label, covered, args.run_timeout, args.keep, args.pytest_args
+                )
+                runs.append(run)
+                bad = ", ".join(sorted(run.failed)) or "-"
+                print(
+                    f"run {i}/{args.runs} [{label}]: {run.passed} passed, {len(run.failed)} failed, "
+                    f"{run.skipped} skipped in {run.seconds:.0f} s; failed: {bad}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    except KeyboardInterrupt:
+        print("interrupted: reporting the runs that ended", file=sys.stderr)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    rep = report(runs, by_marker, args)
+    if args.keep:
+        (args.keep / "report.json").write_text(json.dumps(rep, indent=2))
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print_report(rep)
+    return 1 if rep["runs_with_failure"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
