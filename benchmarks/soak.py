@@ -44,7 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MARKERS = ("swarm", "faults", "nat", "security", "compression")
 #: what .ci/run exports: tests that would skip elsewhere must run (and fail if they cannot)
 CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1"}
-RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
+RUN_ID = "<pytest run>"
+MARKER_ENV = (
+    "GREENSWARM_SOAK_RUN"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
+)
 
 
 @dataclass
@@ -92,12 +95,15 @@ def read_junit(path: Path, result: RunResult) -> None:
             result.passed += 1
 
 
-def p2pd_pids() -> set[int]:
+def p2pd_pids(marker: str) -> set[int]:
+    """p2pd daemons started under one run: they inherit its ``GREENSWARM_SOAK_RUN`` marker, so other
+    programs' daemons on a shared machine are never counted (or killed)."""
     pids = set()
+    tag = f"{MARKER_ENV}={marker}".encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == "p2pd":
+                if (entry / "comm").read_text().strip() == "p2pd" and tag in (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
             except OSError:
                 continue
@@ -130,8 +136,7 @@ def run_pytest(
         *selection,
         *extra,
     ]
-    env = {**os.environ, **CI_ENV, "TMPDIR": str(work)}
-    before = p2pd_pids()
+    env = {**os.environ, **CI_ENV, "TMPDIR": str(work), MARKER_ENV: work.name}
     t0 = time.monotonic()
     with open(work / "pytest.out", "w") as out:
         proc = subprocess.Popen(
@@ -154,7 +159,7 @@ def run_pytest(
         why = "timed out" if rc == -9 else f"pytest exited with status {rc}"
         result.failed.setdefault(RUN_ID, f"{why}: {tail[0][:200]}")
     time.sleep(1)  # daemons of the last test's peers exit within moments of their parents
-    result.leaked = sorted(str(p) for p in p2pd_pids() - before)
+    result.leaked = sorted(str(p) for p in p2pd_pids(work.name))
     if result.leaked:
         result.failed.setdefault(RUN_ID, f"{len(result.leaked)} p2pd daemon(s) left running after the run")
         for pid in result.leaked:

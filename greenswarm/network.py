@@ -214,8 +214,12 @@ def relay_service_options() -> dict[str, Any]:
 
 
 #: Seconds to wait before each retry when no initial peer answered: a bootstrap that is restarting,
-#: or one flooded by many sites starting at once, answers a moment later.
-JOIN_RETRY_DELAYS_S = (1.0, 3.0)
+#: or one flooded by many sites starting at once (or starved of CPU on a busy machine), answers a
+#: moment later. A site waits 15 s in all: a refused dial fails at once, so a shorter schedule gave
+#: up on a bootstrap that was merely slow (seen on a loaded 2-core machine, five peers starting at
+#: once). A one-off reader (``greenswarm progress``) answers its user sooner.
+JOIN_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
+READER_RETRY_DELAYS_S = (1.0, 3.0)
 
 
 #: how long a DHT process may take to come up (p2pd started, initial peers dialled) before the
@@ -231,6 +235,7 @@ def start_dht(
     identity_path: str | None = None,
     client_mode: bool = False,
     record_validators: list[Any] | None = None,
+    retry_delays_s: tuple[float, ...] = JOIN_RETRY_DELAYS_S,
     **kwargs: Any,
 ) -> DHT:
     """Start a hivemind DHT; an unreachable swarm or a taken port becomes a one-line :class:`SwarmError`.
@@ -260,7 +265,7 @@ def start_dht(
                 super().shutdown()
 
     _register_p2pd_modes()
-    delays = list(JOIN_RETRY_DELAYS_S) if initial_peers else []
+    delays = list(retry_delays_s) if initial_peers else []
     while True:
         try:
             dht = OwnedDHT(
@@ -296,7 +301,8 @@ def start_dht(
             if "bootstrap" in text:
                 peers = ", ".join(initial_peers)
                 raise SwarmError(
-                    f"cannot reach the swarm: none of the initial peers answered ({peers})"
+                    f"cannot reach the swarm: none of the initial peers answered ({peers}) in "
+                    f"{1 + len(retry_delays_s)} tries over {sum(retry_delays_s):g} s"
                 ) from None
             if "address already in use" in text:
                 raise SwarmError(

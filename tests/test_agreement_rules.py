@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from greenswarm.averaging.agreement import FAILED, decide, group_key, state_digest
+from greenswarm.averaging.agreement import FAILED, decide, group_key, majority, state_digest
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.round_log import RoundEntry, RoundLog, read_rounds
@@ -26,6 +26,18 @@ def test_minority_member_resyncs_from_the_majority() -> None:
     v = decide("p3", "x", {"p1": "d", "p2": "d", "p3": "x"}, M)
     assert v.action == "resync" and v.digest == "d" and v.holders == ["p1", "p2"]
     assert "differs from the majority" in v.reason
+
+
+def test_the_exchange_can_stop_at_a_strict_majority() -> None:
+    """Once a digest has a strict majority, the silent members cannot change any member's verdict:
+    the exchange stops waiting for them (a member whose all-reduce failed never answers)."""
+    assert majority({"p1": "d", "p2": "d"}, M) == "d"
+    for published in ({"p1": "d"}, {"p1": "d", "p2": "x"}, {"p1": "d", "p2": FAILED, "p3": FAILED}):
+        assert majority(published, M) is None
+    assert majority({"p1": "d", "p2": "d", "outsider": "d"}, ["p1", "p2", "p3", "p4"]) is None
+    for published in ({"p1": "d", "p2": "d"}, {"p1": "d", "p2": "d", "p3": "x"}):  # what comes later
+        assert decide("p1", "d", published, M).action == "apply"
+        assert decide("p3", "x", published, M).action == "resync"
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,16 @@ class Verdict:
     reason: str = ""
 
 
+def majority(published: dict[str, str], members: Sequence[str]) -> str | None:
+    """The digest a strict majority of the whole group published, if one has (FAILED never counts)."""
+    votes = Counter(d for peer, d in published.items() if peer in members and d != FAILED)
+    if votes:
+        digest, count = votes.most_common(1)[0]
+        if count >= len(members) // 2 + 1:
+            return digest
+    return None
+
+
 def decide(me: str, mine: str, published: dict[str, str], members: Sequence[str]) -> Verdict:
     """The verdict for member ``me`` whose digest is ``mine``, given what each member ``published``.
 
@@ -102,9 +112,11 @@ class DigestBoard:
         publish: bool = True,
         refused: dict[str, str] | None = None,
     ) -> dict[str, str]:
-        """Publish ``digest`` (and the updates this member ``refused``) and return every member's
-        published digest seen within ``timeout_s`` (``publish=False`` only reads: a fault hook for a
-        member whose record was lost)."""
+        """Publish ``digest`` (and the updates this member ``refused``) and return the members'
+        published digests: all of them, or as soon as one digest has a strict majority (the others
+        cannot change the verdict then, so a member that failed its all-reduce and will never answer
+        costs nothing), or what came within ``timeout_s`` (``publish=False`` only reads: a fault hook
+        for a member whose record was lost)."""
         from hivemind.utils import get_dht_time
 
         key = group_key(self.swarm, round_index, lineage, members)
@@ -126,7 +138,7 @@ class DigestBoard:
             published = {**published, **self._read(key, members)}
             if stored and publish:
                 published[self.peer_id] = digest
-            if set(members) <= set(published) or time.monotonic() >= deadline:
+            if set(members) <= set(published) or majority(published, members) or time.monotonic() >= deadline:
                 return published
             time.sleep(self.poll_s)
 

@@ -188,7 +188,10 @@ class SwarmAverager(DecentralizedAverager):
                 gather={**gather, **shown, "slot": round_index, "wire_offer": offer, "norm": norm},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
-                allow_retries=True,
+                # one attempt a round: a retried all-reduce would start from the buffer the failed one
+                # already coded (and a poisoner's already poisoned), and would report only its own
+                # failure, hiding the one that ended the round; the next round is the retry
+                allow_retries=False,
                 wait=False,
             )
             self._matchmaking_fault(control)
@@ -334,7 +337,11 @@ class SwarmAverager(DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("an auxiliary peer must not receive averaged tensors")
             return
-        averaged = [tensor async for tensor in runner]  # all or nothing: run() raises on a failed part
+        try:
+            averaged = [tensor async for tensor in runner]  # all or nothing: run() raises on a failed part
+        except Exception as e:  # hivemind reports only a step's last attempt: say what ended this one
+            log.warning("all-reduce with %s failed: %s", _names(users), e)
+            raise
         n = len(group_info.peer_ids)
         self._allreduce[0] = time.monotonic() - started
         self._allreduce[1] = 2 * flat.numel() * fmt.nominal_bytes * (n - 1) / n
@@ -398,7 +405,7 @@ class SwarmAverager(DecentralizedAverager):
     def _refuse_part(self, peer: str, why: str) -> None:
         """This site's reducer refused a groupmate's part (averager process): log it, tell the node."""
         log.warning("refused a part of %s's update: %s", peer, why)
-        if peer == str(self.peer_id):  # hivemind retries the round, and reports only its last try
+        if peer == str(self.peer_id):  # the round's failure, in words (not the runner's exception)
             self._refusal.value = f"this site's update was refused: {why}".encode()[:1000]
         refused = self._parts_refused()
         refused[peer] = why
@@ -505,6 +512,10 @@ class SwarmAverager(DecentralizedAverager):
         future = MPFuture()
         self._outer_pipe.send((method, [], dict(kwargs, future=future)))
         return future.result(timeout=wait_s)
+
+
+def _names(users: list[tuple[str, Any]]) -> str:
+    return ", ".join(_name(peer, user) for peer, user in users)
 
 
 def _name(peer: str, user: Any) -> str:

@@ -152,13 +152,14 @@ def open_reader(
 ) -> DHT:
     """A client-mode DHT that can read swarm ``swarm``'s records (with the validators hivemind needs);
     with ``admission`` it reads only records of certified members."""
-    from greenswarm.network import start_dht
+    from greenswarm.network import READER_RETRY_DELAYS_S, start_dht
 
     return start_dht(
         initial_peers,
         host_maddrs=host_maddrs or ["/ip4/0.0.0.0/tcp/0"],
         client_mode=True,
         record_validators=record_validators(swarm, admission),
+        retry_delays_s=READER_RETRY_DELAYS_S,
     )
 
 
