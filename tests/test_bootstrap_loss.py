@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -33,12 +32,13 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
     listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
     peers = swarm.bootstrap("bootstrap", listen=listen, key="boot.key")
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 5}, step_s=3600)  # 5 h, always green
-    start = time.time() + 12
+    start = tmp_path / "start"
     sites = ["site-a", "site-b"]
     for i, name in enumerate(sites):
-        cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_wall=start,
+        cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_file=start,
                           sync_s=900.0, shard=i, shards=2, node={"rejoin_s": 2.0})  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
+    swarm.start_replay(sites, start)  # the 60 s replay is all for the scenario, however slow the start
     wait_until(lambda: all(_averaged(swarm, n) >= 1 for n in sites), 90, "a first averaged round")
 
     swarm.kill("bootstrap", signal.SIGKILL)  # the entry point is gone, daemon and all
