@@ -8,7 +8,8 @@ traffic between two sites must be carried by a process on the hub (a relay).
 
 Links can be shaped with ``tc qdisc ... tbf`` (netem is not available on this kernel). Everything
 created here is named with a per-topology random tag and torn down by :meth:`Topology.close`, which
-the fixture calls even when a test fails; :func:`sweep` removes leftovers of crashed runs.
+the fixture calls even when a test fails; :func:`sweep` removes leftovers of crashed runs (and only
+those: a topology whose maker is alive belongs to a run going on beside this one).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from pathlib import Path
 
 HUB_ADDR = "10.77.0.1"
 PREFIX = "gsn"
+#: one file per live topology, named by its tag, holding the pid of the process that made it: a sweep
+#: removes only topologies whose maker is gone, never those of a run going on beside it (a second test
+#: session, a benchmark) -- sweeping every ``gsn`` namespace broke a NAT test running concurrently
+OWNERS = Path("/run/greenswarm-netns")
 
 
 def available() -> str | None:
@@ -112,12 +117,15 @@ class Topology:
         """Delete every namespace (their veths go with them). Safe to call twice."""
         for ns in [s.ns for s in self.sites] + [self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        (OWNERS / self.tag).unlink(missing_ok=True)
 
 
 def make_topology(n_sites: int) -> Topology:
     """Build the hub and ``n_sites`` site namespaces; on any failure, remove what was made."""
     tag = secrets.token_hex(3)
     topo = Topology(tag=tag, hub=f"{PREFIX}{tag}h")
+    OWNERS.mkdir(parents=True, exist_ok=True)
+    (OWNERS / tag).write_text(str(os.getpid()))
     try:
         _ip("netns", "add", topo.hub)
         _ip("link", "set", "lo", "up", ns=topo.hub)
@@ -145,9 +153,29 @@ def make_topology(n_sites: int) -> Topology:
 
 
 def sweep() -> None:
-    """Remove namespaces left by earlier runs that died before their tear-down."""
+    """Remove namespaces left by earlier runs that died before their tear-down (their maker is gone);
+    a topology whose maker still runs is left alone."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for line in listed.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if name.startswith(PREFIX):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        if not name.startswith(PREFIX) or name.startswith(f"{PREFIX}probe"):
+            continue  # (a probe lives for a moment, inside a run's own check)
+        tag = name[len(PREFIX) : len(PREFIX) + 6]
+        if _maker_alive(tag):
+            continue
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        (OWNERS / tag).unlink(missing_ok=True)
+
+
+def _maker_alive(tag: str) -> bool:
+    try:
+        pid = int((OWNERS / tag).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
