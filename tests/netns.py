@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ PREFIX = "gsn"
 #: removes only topologies whose maker is gone, never those of a run going on beside it (a second test
 #: session, a benchmark) -- sweeping every ``gsn`` namespace broke a NAT test running concurrently
 OWNERS = Path("/run/greenswarm-netns")
+UNOWNED_MAX_AGE_S = 900.0
 
 
 def available() -> str | None:
@@ -168,10 +170,13 @@ def sweep() -> None:
 
 
 def _maker_alive(tag: str) -> bool:
+    """Whether the process that made topology ``tag`` still runs (without an owner file -- an older
+    version made it -- whether it is younger than a NAT test could last)."""
     try:
         pid = int((OWNERS / tag).read_text())
     except (OSError, ValueError):
-        return False
+        made = Path("/run/netns") / f"{PREFIX}{tag}h"
+        return made.exists() and time.time() - made.stat().st_mtime < UNOWNED_MAX_AGE_S
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
