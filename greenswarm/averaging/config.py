@@ -71,6 +71,18 @@ class AveragingConfig:
     max_group_size: int = 64
     max_norm_ratio: float = 100.0
 
+    def longest_round_s(self) -> float:
+        """The longest one round can hold a node when every timeout fires: matchmaking (the step's
+        deadline is twice it), the all-reduce, the digest exchange, and a resync's wait for the
+        majority's state (agreement timeout) with its download."""
+        return (
+            2 * self.matchmaking_s
+            + self.allreduce_timeout_s
+            + 2 * self.agreement_timeout_s
+            + self.state_timeout_s
+            + 10.0  # the averager process's own slack (SwarmAverager._round_bound_s)
+        )
+
     def validate(self) -> None:
         _positive(self.sync_interval_s, "sync_interval_s")
         if self.outer not in OUTER_KINDS:

@@ -10,6 +10,7 @@ hivemind refuses the signed values.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -109,31 +110,84 @@ class ProgressPublisher:
 
     Writes are fire-and-forget futures so a slow DHT never stalls training; the record lives for
     ``ttl_s`` so a killed site disappears from the table within that time.
+
+    With ``keepalive_s``, a background thread writes the last record again every ``refresh_s`` while
+    the node's loop is busy elsewhere -- an averaging round that waits out a timeout, a checkpoint,
+    an evaluation -- for at most ``keepalive_s`` after the loop last made one. A site blocked in a
+    round is alive and in its window; without this its record expired mid-round, its groupmates saw
+    it gone and fell back to SOLO, and the swarm split into lineages. A frozen or dead process writes
+    nothing, and a loop stuck for longer than ``keepalive_s`` lets its record expire.
     """
 
-    def __init__(self, dht: DHT, swarm: str, validators: list[Any], refresh_s: float, ttl_s: float):
+    def __init__(
+        self,
+        dht: DHT,
+        swarm: str,
+        validators: list[Any],
+        refresh_s: float,
+        ttl_s: float,
+        keepalive_s: float = 0.0,
+    ):
         self.dht, self.key = dht, progress_key(swarm)
         self.subkey = _owner_subkey(validators)
-        self.refresh_s, self.ttl_s = refresh_s, ttl_s
-        self._last = float("-inf")
+        self.refresh_s, self.ttl_s, self.keepalive_s = refresh_s, ttl_s, keepalive_s
+        self._made = float("-inf")  # when the loop last made a record (monotonic)
+        self._stored = float("-inf")  # when a record was last written, by the loop or the keep-alive
+        self._wire: dict[str, Any] | None = None  # the last record, as written
         self._pending = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def maybe_publish(self, make_record: Any, force: bool = False) -> bool:
         """Publish ``make_record()`` if forced or due; returns whether a write was started."""
-        from hivemind.utils import get_dht_time
-
-        if not force and time.monotonic() - self._last < self.refresh_s:
+        if not force and time.monotonic() - self._made < self.refresh_s:
             return False
         record = _clean_floats(make_record())
-        self._last = time.monotonic()
+        with self._lock:
+            self._made = time.monotonic()
+            self._wire = record.to_wire()
+            self._write()
+        if self.keepalive_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._keep_alive, name="progress-keepalive", daemon=True)
+            self._thread.start()
+        return True
+
+    def _write(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        self._stored = time.monotonic()
         self._pending = self.dht.store(
             self.key,
             subkey=self.subkey,
-            value=record.to_wire(),
+            value=self._wire,
             expiration_time=get_dht_time() + self.ttl_s,
             return_future=True,
         )
-        return True
+
+    def keepalive_due(self, now: float) -> bool:
+        """Whether the keep-alive writes the last record again at (monotonic) ``now``: a refresh is
+        due and the loop made a record within ``keepalive_s``."""
+        return (
+            self._wire is not None
+            and now - self._stored >= self.refresh_s
+            and now - self._made <= self.keepalive_s
+        )
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.refresh_s / 2):
+            with self._lock:
+                if self.keepalive_due(time.monotonic()):
+                    try:
+                        self._write()
+                    except Exception:  # the DHT is shutting down: the record expires, as it should
+                        return
+
+    def close(self) -> None:
+        """Stop the keep-alive (the record then lives out its ``ttl_s``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait for the last write (used before exit, so the final state reaches the swarm)."""

@@ -47,6 +47,9 @@ from greenswarm.security.admission import Admission
 from greenswarm.traces import load_trace
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
+#: wall seconds beyond a round's timeouts that its checkpoint and evaluation may take while the site's
+#: record is kept alive (past that, a loop that does not come back lets the record expire)
+KEEPALIVE_SLACK_S = 60.0
 
 
 def _fmt_clock(t: float) -> str:
@@ -517,7 +520,13 @@ class SiteNode:
         self.digests = DigestBoard(self.dht, cfg.swarm.name, self.peer_id)
         self.entry = EntryWatch(self.dht, cfg.swarm.initial_peers, cfg.node.rejoin_s)
         self.publisher = ProgressPublisher(
-            self.dht, cfg.swarm.name, validators, cfg.node.progress_refresh_s, cfg.node.progress_ttl_s
+            self.dht,
+            cfg.swarm.name,
+            validators,
+            cfg.node.progress_refresh_s,
+            cfg.node.progress_ttl_s,
+            # a round (or the checkpoint and evaluation after it) may hold the loop this long
+            keepalive_s=cfg.averaging.longest_round_s() + KEEPALIVE_SLACK_S,
         )
         self.log.info(
             "site %s (%s) joined swarm '%s' as %s; %s parameters, %d rank(s)",
@@ -734,11 +743,11 @@ class SiteNode:
     def _close(self) -> None:
         if self.world.distributed:
             self._collective("stop")
-        for part in (self.view, self.averager, self.dht):
+        for part in (self.publisher, self.view, self.averager, self.dht):
             if part is None:
                 continue
             try:
-                part.close() if isinstance(part, SwarmView) else part.shutdown()
+                part.close() if isinstance(part, SwarmView | ProgressPublisher) else part.shutdown()
             except Exception as e:  # shutting down: report and go on with the rest
                 self.log.debug("shutdown of %s failed: %r", type(part).__name__, e)
 

@@ -1,0 +1,69 @@
+"""A site's progress record stays alive while its loop is busy in a round, and only that long.
+
+In-process, with a fake DHT that records writes: no p2pd, no network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
+from tests.conftest import wait_until
+
+
+class FakeDHT:
+    """Stands in for hivemind's DHT: keeps every store (key, subkey, value, expiration)."""
+
+    def __init__(self) -> None:
+        self.writes: list[dict] = []
+        self.lock = threading.Lock()
+
+    def store(self, key, subkey, value, expiration_time, return_future=False):  # noqa: ANN001
+        with self.lock:
+            self.writes.append({"key": key, "value": value, "expires": expiration_time})
+        return None
+
+
+def _record(steps: int) -> ProgressRecord:
+    return ProgressRecord(
+        site="a", region="R", state="FEDERATED", peer_id="p", outer_round=0, lineage="l", round_index=0,
+        local_steps=steps, tokens=0, loss=None, window_end=None, energy_kwh=0.0, emissions_g=0.0,
+        clock_time=0.0, wall_time=0.0,
+    )  # fmt: skip
+
+
+def _publisher(dht: FakeDHT, keepalive_s: float) -> ProgressPublisher:
+    return ProgressPublisher(
+        dht, "s", record_validators("s"), refresh_s=0.05, ttl_s=0.4, keepalive_s=keepalive_s
+    )
+
+
+def test_a_busy_loop_keeps_its_last_record_alive_until_it_is_closed() -> None:
+    dht = FakeDHT()
+    publisher = _publisher(dht, keepalive_s=60.0)
+    publisher.maybe_publish(lambda: _record(7), force=True)
+    # the loop is now busy (a round): the keep-alive writes the same record again, with a new expiry
+    wait_until(lambda: len(dht.writes) >= 4, timeout=10, what="keep-alive writes")
+    publisher.close()
+    assert not publisher._thread.is_alive()  # closed: nothing writes the record any more
+    assert all(w["value"]["local_steps"] == 7 for w in dht.writes)
+    assert dht.writes[-1]["expires"] > dht.writes[0]["expires"]
+
+
+def test_the_keepalive_writes_only_when_due_and_only_for_keepalive_s() -> None:
+    publisher = _publisher(FakeDHT(), keepalive_s=1.0)
+    assert not publisher.keepalive_due(time.monotonic())  # nothing published yet
+    publisher.maybe_publish(lambda: _record(1), force=True)
+    made = publisher._made
+    assert not publisher.keepalive_due(made + 0.01)  # just written: not due
+    assert publisher.keepalive_due(made + 0.06)  # a refresh period later, the loop still busy: due
+    assert not publisher.keepalive_due(made + 1.5)  # the loop has not come back for keepalive_s: expire
+    publisher.close()
+
+
+def test_no_keepalive_no_thread() -> None:
+    dht = FakeDHT()
+    publisher = _publisher(dht, keepalive_s=0.0)
+    publisher.maybe_publish(lambda: _record(1), force=True)
+    assert publisher._thread is None and len(dht.writes) == 1
