@@ -9,15 +9,15 @@ run cannot lean on what an earlier one left behind. Outcomes are read from pytes
 By default one run is one pytest process over all the markers given (``-m "swarm or faults ..."``),
 so each test runs once per run and "10 runs" means 10 consecutive runs of every marker;
 ``--separately`` gives each marker its own pytest process per run instead. ``--full`` runs the
-whole suite (what ``.ci/run`` runs). ``--hog K`` keeps K busy processes spinning beside the runs, as
-on a shared CI machine.
+whole suite (the ``pytest -q`` of ``.ci/run``). ``--hog K`` keeps K busy processes spinning beside
+the runs, as on a shared CI machine.
 
 Printed: one line per run as it ends, then a table of every test that failed at least once (test
 id, runs, failures, and the first line of each distinct failure, with how often it was seen), then
 per marker: tests, runs, and runs in which any of its tests failed. A run that leaves a p2pd daemon
 behind, or whose pytest process itself fails (crash, timeout, collection error), is a failure too.
-``--json`` prints the whole report as JSON instead; ``--keep DIR`` keeps every run's directory
-(JUnit XML and pytest's output) there.
+``--json`` prints the whole report as JSON instead; ``--keep DIR`` keeps every run's JUnit XML and
+pytest output there, and after a failure its tests' directories (logs, configs, round logs).
 
     python benchmarks/soak.py [-m swarm faults nat security compression] [--runs 10] [--hog 2]
     python benchmarks/soak.py --full --runs 3 [--hog 2] [--json]
@@ -44,10 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MARKERS = ("swarm", "faults", "nat", "security", "compression")
 #: what .ci/run exports: tests that would skip elsewhere must run (and fail if they cannot)
 CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1"}
-RUN_ID = "<pytest run>"
-MARKER_ENV = (
-    "GREENSWARM_SOAK_RUN"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
-)
+RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
+MARKER_ENV = "GREENSWARM_SOAK_RUN"  # inherited by everything a run starts: whose p2pd daemons are whose
+LEAK_GRACE_S = 10.0  # a daemon whose peer was stopped cleanly exits within moments (tests/conftest.py)
 
 
 @dataclass
@@ -158,8 +157,10 @@ def run_pytest(
         tail = (work / "pytest.out").read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         why = "timed out" if rc == -9 else f"pytest exited with status {rc}"
         result.failed.setdefault(RUN_ID, f"{why}: {tail[0][:200]}")
-    time.sleep(1)  # daemons of the last test's peers exit within moments of their parents
-    result.leaked = sorted(str(p) for p in p2pd_pids(work.name))
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while (left := p2pd_pids(work.name)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the last test's daemons may still be on their way out
+    result.leaked = sorted(str(p) for p in left)
     if result.leaked:
         result.failed.setdefault(RUN_ID, f"{len(result.leaked)} p2pd daemon(s) left running after the run")
         for pid in result.leaked:
