@@ -14,7 +14,12 @@ own values. Two things follow, and both make sites drift apart silently:
 * a reducer sends back the average itself, encoded with this averager's wire codec, and keeps for
   its own part the same encode-decode round trip of it, so every member decodes identical bytes;
 * a part whose reducer failed is a failed round: the runner raises after the parts are in, instead of
-  handing back a vector that mixes averaged and local slices.
+  handing back a vector that mixes averaged and local slices;
+* the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
+  the stream open until then. hivemind's reducer closes its end right after its last reply, and the
+  p2p daemon then sometimes resets the stream before that reply is delivered (about one stream in
+  a few hundred on a busy machine): the sender saw a short stream, its reducer "failed", and a round
+  every member had reduced correctly failed on one of them.
 
 Every peer of a swarm must run this runner (they do: it is what :class:`SwarmAverager` uses); a peer
 running plain hivemind would add the average to its values as if it were a difference, so the group
@@ -31,9 +36,14 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from greenswarm.averaging.screening import screen_part
 from greenswarm.faults import FaultPlan
+
+LINGER_LIMIT_S = 10.0
+"""How long a reducer holds a stream open for a sender that has all its parts but has not closed
+(used when the runner has no reducer timeout): a sender that died never closes."""
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -93,9 +103,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id) -> None:
         if peer_id != self.peer_id:
-            # the remote branch of hivemind's method registers what the reducer sends as is: with
-            # this protocol that is the encoded average, decoded -- exactly what we want
-            return await super()._communicate_with_peer(peer_id)
+            return await self._exchange_with_reducer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_event_loop()
@@ -112,6 +120,46 @@ class ExactAllReduceRunner(AllReduceRunner):
             encoded = await self._encoded_average(part_index, averaged)
             same_as_peers = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, same_as_peers)
+
+    async def _exchange_with_reducer(self, peer_id) -> None:
+        """Send this site's parts to ``peer_id`` and register exactly the parts it sends back.
+
+        What the reducer sends is the encoded average, so it is registered as decoded. The sender
+        stops reading after the parts it expects and closes the stream: that close is what tells the
+        reducer its replies arrived (see :meth:`_linger`)."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        loop = asyncio.get_event_loop()
+        stream = None
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            received = 0
+            async for message in aiter_with_timeout(stream, self.reducer_timeout):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    code = averaging_pb2.MessageCode.Name(message.code)
+                    raise AllreduceException(f"{peer_id} sent {code}")
+                part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                self.tensor_part_container.register_processed_part(peer_index, received, part)
+                received += 1
+                if received == expected:  # stop here: the reducer holds the stream open until we close
+                    break
+            if received != expected:
+                raise AllreduceException(f"{peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    async def _linger(self) -> None:
+        """Hold a reducer's stream open after its last reply, until the sender closes it (which cancels
+        this handler) or the limit passes: closing first can lose that reply on the wire."""
+        await asyncio.sleep(self.reducer_timeout or LINGER_LIMIT_S)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
@@ -135,6 +183,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 encoded = await self._encoded_average(part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+            if part_index == self.tensor_part_reducer.num_parts:
+                await self._linger()
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
