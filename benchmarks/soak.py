@@ -26,6 +26,7 @@ pytest output there, and after a failure its tests' directories (logs, configs, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -147,6 +148,12 @@ def run_pytest(
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
             rc = -9 if rc == 0 else rc
+        except BaseException:  # interrupted: the run is in a session of its own, so stop it here
+            with contextlib.suppress(ProcessLookupError):  # it may have just ended
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     result = RunResult(index, label, markers, time.monotonic() - t0, rc)
     if junit.exists():
         try:
@@ -293,6 +300,10 @@ def print_report(rep: dict) -> None:
         print(f"{marker:12} {m['tests']:>5} {m['runs']:>4} {m['runs_with_failure']:>20}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def start_hog(n: int) -> list[subprocess.Popen]:
     """``n`` processes that spin a core each, as other jobs on a shared CI machine would."""
     return [
@@ -326,6 +337,7 @@ def main() -> int:
         expr = " or ".join(markers)
         plans = [(["-m", expr], expr, markers)]
     by_marker = collect(markers)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed soak stops its run and reports, as on Ctrl-C
     hogs = start_hog(args.hog)
     runs: list[RunResult] = []
     try:

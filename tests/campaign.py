@@ -205,10 +205,12 @@ class Campaign:
         return now - armed > self.fire_timeout_s
 
     def _first_averaged(self, site: str) -> float | None:
-        """Wall time of the current process's first round averaged with others (None: none yet)."""
+        """Wall time of the current process's first round averaged with others, applied or resynced
+        from them (None: none yet)."""
         pid = self.swarm.procs[self.current[site]].pid
         for e in read_rounds(self.workdir / site / "rounds.jsonl"):
-            if e["pid"] == pid and e["action"] == "apply" and len(e["members"]) > 1:
+            averaged = e["action"] == "resync" or (e["action"] == "apply" and len(e["members"]) > 1)
+            if e["pid"] == pid and averaged:  # what arms after-rounds@1 (FaultPlan.round_done)
                 return e["wall_time"]
         return None
 

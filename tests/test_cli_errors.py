@@ -178,9 +178,11 @@ def test_node_garbage_initial_peers(tmp_path: Path) -> None:
 
 def test_node_unreachable_swarm(tmp_path: Path, unreachable: str) -> None:
     """A well-formed but dead bootstrap address: the node says the swarm cannot be reached and exits."""
+    # a site retries for 15 s (JOIN_RETRY_DELAYS_S), five DHT starts: ~25 s on a quiet machine
     result = greenswarm(
-        "node", "--config", str(config(tmp_path)), "--initial-peers", unreachable, cwd=tmp_path
-    )
+        "node", "--config", str(config(tmp_path)), "--initial-peers", unreachable, cwd=tmp_path,
+        timeout=2 * TIMEOUT_S,
+    )  # fmt: skip
     assert_one_error_line(result, "node", "cannot reach the swarm", unreachable)
 
 

@@ -21,6 +21,21 @@ from greenswarm.averaging.exact import ExactAllReduceRunner
 
 pytestmark = pytest.mark.swarm
 
+
+class RecordingRunner(ExactAllReduceRunner):
+    """The exact runner, noting how each reducer's linger ended: the sender's close, or the limit."""
+
+    lingers: list[str] = []
+
+    async def _linger(self) -> None:
+        try:
+            await super()._linger()
+        except asyncio.CancelledError:
+            self.lingers.append("closed by the sender")
+            raise
+        self.lingers.append("waited out the limit")
+
+
 ROUNDS = 60  # 120 reducer streams, several parts each
 
 
@@ -38,9 +53,9 @@ async def _rounds(rounds: int) -> list[tuple[bool, bool]]:
         for index in range(rounds):
             prefix = f"exact-streams-{index}"
             runners = [
-                ExactAllReduceRunner(
+                RecordingRunner(
                     p2p=p2p,
-                    servicer_type=ExactAllReduceRunner,
+                    servicer_type=RecordingRunner,
                     prefix=prefix,
                     group_id=prefix.encode(),
                     tensors=[torch.randn(5_000, generator=gen)],
@@ -56,7 +71,7 @@ async def _rounds(rounds: int) -> list[tuple[bool, bool]]:
             for runner, p2p in zip(runners, peers, strict=True):
                 await runner.add_p2p_handlers(p2p, namespace=prefix)
 
-            async def collect(runner: ExactAllReduceRunner) -> list[torch.Tensor] | None:
+            async def collect(runner: RecordingRunner) -> list[torch.Tensor] | None:
                 try:
                     return [t async for t in runner]
                 except Exception:
@@ -66,6 +81,11 @@ async def _rounds(rounds: int) -> list[tuple[bool, bool]]:
             ok = all(o is not None for o in outputs)
             same = ok and torch.equal(outputs[0][0], outputs[1][0])
             results.append((ok, same))
+            # a reducer's handler ends when its sender's close reaches it (or at the limit): let it
+            for _ in range(150):
+                if len(RecordingRunner.lingers) >= 2 * (index + 1):
+                    break
+                await asyncio.sleep(0.1)
             for runner, p2p in zip(runners, peers, strict=True):
                 await runner.remove_p2p_handlers(p2p, namespace=prefix)
     finally:
@@ -75,7 +95,10 @@ async def _rounds(rounds: int) -> list[tuple[bool, bool]]:
 
 
 def test_every_reply_of_every_round_arrives() -> None:
+    RecordingRunner.lingers = []
     results = asyncio.run(_rounds(ROUNDS))
     failed = [i for i, (ok, _) in enumerate(results) if not ok]
     assert not failed, f"rounds {failed} lost a reducer's reply"
     assert all(same for _, same in results), "members hold different averages"
+    # each reducer held its stream until its sender closed it (10 s limit, never reached)
+    assert RecordingRunner.lingers == ["closed by the sender"] * (2 * ROUNDS)

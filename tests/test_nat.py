@@ -112,7 +112,8 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
             "test",
             "--json",
         )
-        assert listed.returncode == 0, listed.stderr
+        if listed.returncode != 0:  # e.g. the bootstrap, on a busy machine, answered too late: ask again
+            return False
         return sorted(r["site"] for r in json.loads(listed.stdout)) == ["site0", "site1", "site2"]
 
     wait_until(every_site_listed, end_wall - time.time(), "every site in greenswarm progress")

@@ -55,11 +55,11 @@ def test_the_keepalive_writes_only_when_due_and_only_for_keepalive_s() -> None:
     publisher = _publisher(FakeDHT(), keepalive_s=1.0)
     assert not publisher.keepalive_due(time.monotonic())  # nothing published yet
     publisher.maybe_publish(lambda: _record(1), force=True)
-    made = publisher._made
-    assert not publisher.keepalive_due(made + 0.01)  # just written: not due
-    assert publisher.keepalive_due(made + 0.06)  # a refresh period later, the loop still busy: due
+    publisher.close()  # freeze the state: on a slow machine the thread could write again meanwhile
+    made, stored = publisher._made, publisher._stored
+    assert not publisher.keepalive_due(stored + 0.01)  # just written: not due
+    assert publisher.keepalive_due(stored + 0.06)  # a refresh period later, the loop still busy: due
     assert not publisher.keepalive_due(made + 1.5)  # the loop has not come back for keepalive_s: expire
-    publisher.close()
 
 
 def test_no_keepalive_no_thread() -> None:

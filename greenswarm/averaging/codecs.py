@@ -177,8 +177,9 @@ class CarriesNaN(CompressionBase):
     running them cannot send a poisoned part at all -- but a malicious peer writes the bytes itself:
     a NaN scale in an int8 block, NaN bits in bf16. The ``poison-nan`` fault hook sends with this
     codec, so the group's reducers meet NaN on the wire in every format, as they would from such a
-    peer. Finite values are coded exactly as ``inner`` codes them (this codec is also what the
-    poisoning site reduces its slice with).
+    peer. Finite values are coded as ``inner`` codes them, the non-finite ones as 0 and then marked
+    (in the block formats the NaN scale takes the whole block); this codec is also what the
+    poisoning site reduces its slice with.
     """
 
     def __init__(self, inner: CompressionBase):
@@ -189,7 +190,7 @@ class CarriesNaN(CompressionBase):
         if bool(torch.isfinite(tensor).all()) or not isinstance(self.inner, GreenswarmCompression):
             return self.inner.compress(tensor, info, allow_inplace)  # hivemind's formats carry NaN as is
         bad = ~torch.isfinite(tensor.detach().reshape(-1).float())
-        clean = self.inner.compress(torch.zeros_like(tensor), info)
+        clean = self.inner.compress(torch.where(torch.isfinite(tensor), tensor, 0.0), info)
         body = bytearray(clean.buffer)
         start = _HEADER.size
         if self.inner.tag == TAG_BF16:  # each value's 16 bits: NaN where the input was not finite

@@ -17,9 +17,9 @@ own values. Two things follow, and both make sites drift apart silently:
   handing back a vector that mixes averaged and local slices;
 * the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
   the stream open until then. hivemind's reducer closes its end right after its last reply, and the
-  p2p daemon then sometimes resets the stream before that reply is delivered (about one stream in
-  a few hundred on a busy machine): the sender saw a short stream, its reducer "failed", and a round
-  every member had reduced correctly failed on one of them.
+  p2p daemon then now and then resets the stream before that reply is delivered (about one stream
+  in a thousand or more, on a busy machine: ``benchmarks/stream_tail.py``): the sender saw a short
+  stream, its reducer "failed", and a round every member had reduced correctly failed on one of them.
 
 Every peer of a swarm must run this runner (they do: it is what :class:`SwarmAverager` uses); a peer
 running plain hivemind would add the average to its values as if it were a difference, so the group
@@ -29,12 +29,14 @@ digest check (:mod:`greenswarm.averaging.agreement`) would expose it as disagree
 from __future__ import annotations
 
 import asyncio
+import typing
 from collections.abc import AsyncIterator, Callable
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
@@ -156,6 +158,22 @@ class ExactAllReduceRunner(AllReduceRunner):
             if stream is not None:
                 await stream.aclose()
 
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's reducer handler, then :meth:`_linger` once every part has been answered.
+
+        The linger sits here, in the handler itself, because the sender's close cancels the handler:
+        for a client-mode sender hivemind accumulates in a task of its own that the close never
+        reaches, so a linger there would wait out its whole limit. (``typing.AsyncIterator``, not
+        ``collections.abc``'s: hivemind reads these hints to register the handler as streaming.)"""
+        replies = 0
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+            replies += message.code == averaging_pb2.AVERAGED_PART
+        if replies and replies == self.tensor_part_reducer.num_parts:
+            await self._linger()
+
     async def _linger(self) -> None:
         """Hold a reducer's stream open after its last reply, until the sender closes it (which cancels
         this handler) or the limit passes: closing first can lose that reply on the wire."""
@@ -183,8 +201,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                 encoded = await self._encoded_average(part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-            if part_index == self.tensor_part_reducer.num_parts:
-                await self._linger()
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

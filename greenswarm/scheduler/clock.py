@@ -46,6 +46,11 @@ class Clock(Protocol):
         """Sleep (wall) until ``now() >= t``, but at most ``max_wall_s`` wall seconds."""
         ...
 
+    @property
+    def started(self) -> bool:
+        """Whether clock time runs yet (False only for a replay still waiting for its start file)."""
+        ...
+
     def wait_for_start(
         self, stop: threading.Event | None = None, timeout_s: float | None = None, poll_s: float = 0.05
     ) -> bool:
