@@ -14,6 +14,8 @@ from tests._shared import shared_available, shared_path
 
 pytestmark = pytest.mark.swarm
 
+UNTRAINED_LOSS = 5.45  # ln(259) = 5.56 for the demo's byte vocabulary; its first step logs ~5.51
+
 
 def _start_demo(workdir: Path, *args: str) -> subprocess.Popen:
     """Start a demo; its output goes to files (two demos at once must not block on a full pipe)."""
@@ -42,9 +44,14 @@ def _report(proc: subprocess.Popen, workdir: Path) -> dict:
 def _check(report: dict, regions: list[str]) -> None:
     assert [s["region"] for s in report["sites"]] == regions
     for site in report["sites"]:
-        assert site["tokens"] > 0 and site["loss"] < 5.0, site
+        # it trained in its window and its loss fell from the untrained model's. How far it fell
+        # depends on how many steps fit the window: CAISO's first builtin window is ~17 wall seconds
+        # of the replay, a few steps on a loaded machine (7 steps, loss 5.24, beside a second soak)
+        assert site["tokens"] > 0 and site["loss"] < UNTRAINED_LOSS, site
         assert site["energy_kwh"] > 0 and site["emissions_g"] > 0, site
     assert report["total"]["federated_rounds"] >= 2, report["total"]
+    # the swarm learned: the sites that averaged longest are well below the untrained loss
+    assert min(site["loss"] for site in report["sites"]) < 4.5, report["sites"]
     # training only in windows emits less than the same site training around the clock
     for site in report["sites"]:
         assert site["emissions_g"] < report["baseline_continuous_g"][site["region"]], site
