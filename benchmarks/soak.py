@@ -95,19 +95,27 @@ def read_junit(path: Path, result: RunResult) -> None:
             result.passed += 1
 
 
-def p2pd_pids(marker: str) -> set[int]:
-    """p2pd daemons started under one run: they inherit its ``GREENSWARM_SOAK_RUN`` marker, so other
-    programs' daemons on a shared machine are never counted (or killed)."""
+def run_pids(marker: str, comm: str | None = None) -> set[int]:
+    """Processes started under one run (only those named ``comm``, if given): they inherit its
+    ``GREENSWARM_SOAK_RUN`` marker, so other programs' processes on a shared machine are never
+    counted (or killed)."""
     pids = set()
     tag = f"{MARKER_ENV}={marker}".encode()
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if (entry / "comm").read_text().strip() == "p2pd" and tag in (entry / "environ").read_bytes():
+                if comm is not None and (entry / "comm").read_text().strip() != comm:
+                    continue
+                if tag in (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
             except OSError:
                 continue
     return pids
+
+
+def p2pd_pids(marker: str) -> set[int]:
+    """p2pd daemons started under one run."""
+    return run_pids(marker, "p2pd")
 
 
 def run_pytest(
@@ -148,10 +156,13 @@ def run_pytest(
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
             rc = -9 if rc == 0 else rc
-        except BaseException:  # interrupted: the run is in a session of its own, so stop it here
-            with contextlib.suppress(ProcessLookupError):  # it may have just ended
+        except BaseException:  # interrupted: the run is in a session of its own, so stop it here,
+            with contextlib.suppress(ProcessLookupError):  # and what its tests started in theirs
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            for pid in run_pids(work.name):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             shutil.rmtree(work, ignore_errors=True)
             raise
     result = RunResult(index, label, markers, time.monotonic() - t0, rc)
@@ -336,8 +347,8 @@ def main() -> int:
     else:
         expr = " or ".join(markers)
         plans = [(["-m", expr], expr, markers)]
-    by_marker = collect(markers)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed soak stops its run and reports, as on Ctrl-C
+    by_marker = collect(markers)
     hogs = start_hog(args.hog)
     runs: list[RunResult] = []
     try:
