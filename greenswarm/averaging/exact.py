@@ -17,8 +17,8 @@ own values. Two things follow, and both make sites drift apart silently:
   handing back a vector that mixes averaged and local slices;
 * the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
   the stream open until then. hivemind's reducer closes its end right after its last reply, and the
-  p2p daemon then now and then resets the stream before that reply is delivered (about one stream
-  in a thousand or more, on a busy machine: ``benchmarks/stream_tail.py``): the sender saw a short
+  p2p daemon then now and then resets the stream before that reply is delivered (roughly one stream
+  in a few thousand, on a busy machine: ``benchmarks/stream_tail.py``): the sender saw a short
   stream, its reducer "failed", and a round every member had reduced correctly failed on one of them.
 
 Every peer of a swarm must run this runner (they do: it is what :class:`SwarmAverager` uses); a peer
