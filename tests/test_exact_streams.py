@@ -4,8 +4,9 @@ A reducer that closed its stream right after its last reply lost that reply now 
 daemon reset the stream first): the sender counted a short stream and failed a round that had been
 reduced correctly. The sender now closes once it holds its parts, and the reducer waits for that.
 This test holds the new protocol to its word (every round completes, identical on both members);
-the loss itself needs a busy machine and about a thousand streams to show once:
-``benchmarks/stream_tail.py`` measures it for both protocols.
+it cannot reproduce the old loss, which needs a busy machine and a few thousand streams to show
+once (``benchmarks/stream_tail.py`` counts it for both protocols). What it does fail on: a lost or
+short reply, members that disagree, or a reducer whose linger the sender's close did not end.
 """
 
 from __future__ import annotations
