@@ -27,6 +27,14 @@ from greenswarm.scheduler.clock import WAITING_FOR_START, write_start_file
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: a site's training loss before it has learned anything: ln(259) = 5.56 for the byte vocabulary the
+#: test and demo models use; their first step logs ~5.51. A site that trained is below this however
+#: few steps its window held on a loaded machine
+UNTRAINED_LOSS = 5.45
+#: a loss that shows the swarm learned: reached by the sites that trained and averaged longest
+#: (~3 in a quiet run, ~3.6 beside a second soak), never by one that took only a few steps
+LEARNED_LOSS = 4.5
+
 #: process sessions whose daemons belong to this test run: pytest's own and each harness child's
 #: (a daemon keeps its session when its parent dies, so this finds orphans without touching other
 #: programs' p2pd daemons on a shared machine)
