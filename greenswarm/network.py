@@ -13,9 +13,13 @@ that recipe needs have no hivemind argument, so they travel as named reachabilit
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from greenswarm.errors import ConfigError, SwarmError
@@ -23,6 +27,9 @@ from greenswarm.procs import exit_with_parent, reap_children
 
 if TYPE_CHECKING:
     from hivemind import DHT
+
+#: tasks of coroutines running in this (DHT) process for :func:`run_in_dht`, held until they end
+_HELD_TASKS: set[asyncio.Task] = set()
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MADDR_HINT = "expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
@@ -334,3 +341,30 @@ def visible_peer_maddrs(dht: DHT) -> list[str]:
     """The multiaddrs (with /p2p/ID) others should use to reach this peer, loopback last."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
+
+
+def run_in_dht(dht: DHT, coro_fn: Callable[[Any, Any], Awaitable[Any]], timeout_s: float) -> Future:
+    """Run ``coro_fn(dht, node)`` in the DHT's process; the returned future resolves within ``timeout_s``.
+
+    hivemind's DHT process starts each ``run_coroutine`` as a task and keeps no reference to it.
+    asyncio holds tasks only weakly, and a connection opened to the p2p daemon holds its reader only
+    weakly too, so a task awaiting the daemon's answer (``list_peers``, ``connect``) is a cycle no one
+    references: the garbage collector destroys it ("Task was destroyed but it is pending!") and its
+    future never resolves. That stopped a site's bootstrap re-join for good (issue #22). Here the
+    task is held until it ends, and bounded, so the caller always gets a result or an error.
+    ``coro_fn`` must pickle (a module-level function, or a ``partial`` of one): it crosses a pipe.
+    """
+    return dht.run_coroutine(partial(_held_and_bounded, coro_fn, timeout_s), return_future=True)
+
+
+async def _held_and_bounded(
+    coro_fn: Callable[[Any, Any], Awaitable[Any]], timeout_s: float, dht: Any, node: Any
+) -> Any:
+    """Runs in the DHT process (see :func:`run_in_dht`)."""
+    task = asyncio.current_task()
+    assert task is not None
+    _HELD_TASKS.add(task)
+    try:
+        return await asyncio.wait_for(coro_fn(dht, node), timeout_s)
+    finally:
+        _HELD_TASKS.discard(task)

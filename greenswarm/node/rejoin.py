@@ -17,22 +17,33 @@ import time
 from functools import partial
 from typing import Any
 
+from greenswarm.network import run_in_dht
+
 log = logging.getLogger(__name__)
 
 
 class EntryWatch:
     """Keeps a site connected to at least one of its initial peers."""
 
+    #: the longest one check may take: a dial to an address that never answers is cut off here, so
+    #: a bootstrap that came back is dialled again within a period of this
+    CHECK_TIMEOUT_S = 30.0
+    #: a check with no answer at all after this long (its DHT process is stuck) is given up
+    ABANDON_S = CHECK_TIMEOUT_S + 30.0
+
     def __init__(self, dht: Any, initial_peers: list[str], period_s: float = 10.0):
         self.dht, self.initial_peers, self.period_s = dht, list(initial_peers), period_s
         self._future: Any = None
+        self._started = 0.0
         self._next = time.monotonic() + period_s
         self.rejoins = 0
+        self.checks = 0  # checks that answered (with a result or an error)
         self._was_connected = True
 
     def poll(self) -> None:
         """Called from the node's loop: collect the last check's result, start the next one when due."""
         if self._future is not None and self._future.done():
+            self.checks += 1
             try:
                 connected, answered = self._future.result()
             except Exception as e:  # the DHT process is busy or gone: try again next period
@@ -45,10 +56,14 @@ class EntryWatch:
                 log.warning("no initial peer is reachable; training and averaging go on with known peers")
             self._was_connected = connected or bool(answered)
             self._future = None
+        elif self._future is not None and time.monotonic() - self._started > self.ABANDON_S:
+            log.warning("entry-point check unanswered for %.0f s; starting another", self.ABANDON_S)
+            self._future = None
         if self._future is None and self.initial_peers and time.monotonic() >= self._next:
-            self._next = time.monotonic() + self.period_s
-            self._future = self.dht.run_coroutine(
-                partial(_check_and_redial, self.initial_peers), return_future=True
+            self._started = time.monotonic()
+            self._next = self._started + self.period_s
+            self._future = run_in_dht(
+                self.dht, partial(_check_and_redial, self.initial_peers), self.CHECK_TIMEOUT_S
             )
 
 

@@ -29,7 +29,7 @@ from greenswarm.averaging.screening import update_norm
 from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
-from greenswarm.network import relay_options, resolve_reachability, start_dht
+from greenswarm.network import relay_options, resolve_reachability, run_in_dht, start_dht
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
@@ -704,7 +704,7 @@ class SiteNode:
         a site behind NAT shows ``/p2p-circuit`` addresses for every other site (it never dialled
         one directly). Best effort and bounded: a diagnostic must never stall a round or a stop."""
         try:
-            return self.dht.run_coroutine(_list_connections, return_future=True).result(timeout=2.0)
+            return run_in_dht(self.dht, _list_connections, 2.0).result(timeout=3.0)
         except Exception as err:
             self.log.debug("cannot list connections: %r", err)
             return self.connections

@@ -1,0 +1,94 @@
+"""A site's entry-point check (:class:`EntryWatch`) answers every time, even when the garbage collector
+runs in the DHT process while the check waits on the p2p daemon, and it re-joins a bootstrap that came
+back (issue #22: a collected check never answered, so that site never re-joined).
+
+Real DHTs and p2p daemons on 127.0.0.1, in this process; the bootstrap is killed hard (process and
+daemon), then started again with the same identity and address."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.network import start_dht
+from greenswarm.node.rejoin import EntryWatch
+from tests.conftest import wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.faults]
+
+CHECKS = 12  # before the fix, a check was lost within the first two or three of these
+
+
+async def _collect(_dht: Any, _node: Any) -> int:
+    """The fault: a full garbage collection in the DHT process, at whatever point a check has reached."""
+    return gc.collect()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_hard(dht: Any) -> None:
+    """As SIGKILL would: the DHT's process and its p2p daemon, with no goodbye to anyone."""
+    proc = psutil.Process(dht.pid)
+    for child in proc.children(recursive=True):
+        child.kill()
+    proc.kill()
+    proc.wait(10)
+
+
+def _checks_while_collecting(site: Any, watch: EntryWatch, count: int) -> None:
+    """Run ``count`` checks, collecting garbage in the DHT process again and again while each is out
+    (one collection at a time: a full one takes a while in a process that holds torch)."""
+    target = watch.checks + count
+    deadline = time.monotonic() + count * (watch.period_s + 5) + 30
+    collecting = None
+    while watch.checks < target:
+        watch.poll()
+        if collecting is None or collecting.done():
+            collecting = site.run_coroutine(_collect, return_future=True)
+        lost = watch._future is not None and time.monotonic() - watch._started > 10
+        assert not lost, f"check {watch.checks + 1} has not answered in 10 s (answered: {watch.checks})"
+        assert time.monotonic() < deadline, f"only {watch.checks - target + count} of {count} checks ran"
+        time.sleep(0.05)
+
+
+def test_checks_always_answer_and_a_returning_bootstrap_is_rejoined(tmp_path: Path, caplog) -> None:
+    listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    key = tmp_path / "boot.key"
+    load_or_create_identity(key)
+    boot = start_dht([], host_maddrs=[listen], identity_path=str(key))
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    site = start_dht(peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    again = None
+    try:
+        watch = EntryWatch(site, peers, period_s=0.2)
+        _checks_while_collecting(site, watch, 2)  # connected: nothing to report
+        assert watch.rejoins == 0
+
+        _kill_hard(boot)
+        with caplog.at_level("WARNING", logger="greenswarm.node.rejoin"):
+            _checks_while_collecting(site, watch, CHECKS)  # every one dials a dead address, and answers
+        assert "no initial peer is reachable" in caplog.text
+
+        again = start_dht([], host_maddrs=[listen], identity_path=str(key))  # same identity and address
+        assert [str(a) for a in again.get_visible_maddrs()] == peers
+
+        def rejoined() -> bool:
+            _checks_while_collecting(site, watch, 1)
+            return watch.rejoins >= 1
+
+        wait_until(rejoined, 60, "the site re-joining the bootstrap that came back")
+    finally:
+        for dht in (site, again):
+            if dht is not None:
+                dht.shutdown()
