@@ -8,6 +8,8 @@ daemon), then started again with the same identity and address."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -38,12 +40,17 @@ def _free_port() -> int:
 
 
 def _kill_hard(dht: Any) -> None:
-    """As SIGKILL would: the DHT's process and its p2p daemon, with no goodbye to anyone."""
-    proc = psutil.Process(dht.pid)
-    for child in proc.children(recursive=True):
+    """As SIGKILL would: the DHT's process and its p2p daemon, with no goodbye to anyone.
+
+    The DHT process is reaped through its own ``multiprocessing`` handle (``join``), not by psutil:
+    a handle whose child someone else reaped still believes it alive, and later polls (every
+    ``Process.start``) and terminates (at exit, or when hivemind's ``__del__`` shuts it down) its pid.
+    By then the pid can belong to another of this process's children (``pid_max`` is 32768 here)."""
+    for child in psutil.Process(dht.pid).children(recursive=True):
         child.kill()
-    proc.kill()
-    proc.wait(10)
+    os.kill(dht.pid, signal.SIGKILL)
+    dht.join(10)
+    assert not dht.is_alive()
 
 
 def _checks_while_collecting(site: Any, watch: EntryWatch, count: int) -> None:
