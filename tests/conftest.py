@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -278,6 +279,13 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
         yield harness
     finally:
         harness.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now: for a peer that must come back at the same address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:

@@ -6,22 +6,15 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Swarm, site_config, wait_until, write_trace
+from tests.conftest import Swarm, free_port, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.faults]
 
 AVERAGED = re.compile(r"outer step \d+ averaged with 1 site")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _averaged(swarm: Swarm, name: str) -> int:
@@ -29,7 +22,7 @@ def _averaged(swarm: Swarm, name: str) -> int:
 
 
 def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path) -> None:
-    listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     peers = swarm.bootstrap("bootstrap", listen=listen, key="boot.key")
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 5}, step_s=3600)  # 5 h, always green
     start = tmp_path / "start"

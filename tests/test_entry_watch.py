@@ -2,15 +2,15 @@
 runs in the DHT process while the check waits on the p2p daemon, and it re-joins a bootstrap that came
 back (issue #22: a collected check never answered, so that site never re-joined).
 
-Real DHTs and p2p daemons on 127.0.0.1, in this process; the bootstrap is killed hard (process and
-daemon), then started again with the same identity and address."""
+Real DHTs and p2p daemons on 127.0.0.1, in a Python process of the test's own (so nothing a hard kill
+leaves behind stays in pytest's process); the bootstrap is killed hard (process and daemon), then
+started again with the same identity and address."""
 
 from __future__ import annotations
 
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +23,7 @@ import pytest
 from greenswarm.bootstrap.identity import load_or_create_identity
 from greenswarm.network import start_dht
 from greenswarm.node.rejoin import EntryWatch
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, free_port, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.faults]
 
@@ -33,12 +33,6 @@ CHECKS = 12  # before the fix, a check was lost within the first two or three of
 async def _collect(_dht: Any, _node: Any) -> int:
     """The fault: a full garbage collection in the DHT process, at whatever point a check has reached."""
     return gc.collect()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_hard(dht: Any) -> None:
@@ -78,7 +72,7 @@ def scenario(workdir: str) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     key = Path(workdir) / "boot.key"
     load_or_create_identity(key)
     boot = start_dht([], host_maddrs=[listen], identity_path=str(key))
