@@ -241,11 +241,16 @@ class Campaign:
         self._spawn(site)
         self.restarts.append((site, self.spawned[site], self.swarm.procs[self.current[site]].pid))
 
-    def finish(self, settle_s: float, back_timeout_s: float = 60.0) -> None:
-        """Wait until every restarted site has averaged again (or ``back_timeout_s``), let the swarm run
-        ``settle_s`` more without faults, then stop every site cleanly."""
-        deadline = time.monotonic() + back_timeout_s
-        while time.monotonic() < deadline and not self._all_back():
+    def finish(self, settle_s: float) -> None:
+        """Wait until every restarted site has averaged again, let the swarm run ``settle_s`` more
+        without faults, then stop every site cleanly.
+
+        A site that is not back is given up on ``ARM_TIMEOUT_S`` after its spawn, the start-up
+        allowance every life gets while faults are armed (:meth:`_overdue`). A fixed 60 s from here
+        was shorter than that: a site respawned just before, on a loaded machine, took about a minute
+        to join, and the report counted it as never averaging again."""
+        deadline = max(self.spawned.values()) + ARM_TIMEOUT_S
+        while time.time() < deadline and not self._all_back():
             time.sleep(0.5)
         time.sleep(settle_s)
         for site in SITES:
