@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests._shared import shared_available, shared_path
-from tests.conftest import LEARNED_LOSS, UNTRAINED_LOSS
+from tests.conftest import LEARNED_LOSS, loss_fell
 
 pytestmark = pytest.mark.swarm
 
@@ -43,10 +43,10 @@ def _report(proc: subprocess.Popen, workdir: Path) -> dict:
 def _check(report: dict, regions: list[str]) -> None:
     assert [s["region"] for s in report["sites"]] == regions
     for site in report["sites"]:
-        # it trained in its window and its loss fell from the untrained model's. How far it fell
-        # depends on how many steps fit the window: CAISO's first builtin window is ~17 wall seconds
-        # of the replay, a few steps on a loaded machine (7 steps, loss 5.24, beside a second soak)
-        assert site["tokens"] > 0 and site["loss"] < UNTRAINED_LOSS, site
+        # it trained in its window and its loss fell from where it started. How far it fell depends
+        # on how many steps fit the window: CAISO's first builtin window is ~17 wall seconds of the
+        # replay, and a loaded machine spends most of it starting up (3 steps, full soak beside another)
+        assert site["tokens"] > 0 and loss_fell(site), site
         assert site["energy_kwh"] > 0 and site["emissions_g"] > 0, site
     assert report["total"]["federated_rounds"] >= 2, report["total"]
     # the swarm learned: the sites that averaged longest are well below the untrained loss

@@ -23,7 +23,7 @@ import torch
 
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS, AveragingConfig
 from greenswarm.node.round_log import read_rounds
-from tests.conftest import LEARNED_LOSS, UNTRAINED_LOSS, Swarm, site_config, wait_until, write_trace
+from tests.conftest import LEARNED_LOSS, Swarm, loss_fell, site_config, wait_until, write_trace
 
 pytestmark = pytest.mark.swarm
 
@@ -174,11 +174,11 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         assert summary["local_steps"] == leave[-1][1], (summary, transitions)
         trained = summary["seconds_by_state"]["SOLO"] + summary["seconds_by_state"]["FEDERATED"]
         assert abs(trained - (hi - lo) * 60) <= (4 + max(0.0, late)) * 60, summary["seconds_by_state"]
-        # it averaged with others, and its loss fell from the untrained model's. How far depends on
-        # how many steps its window held: EAST's is 20 wall seconds (18 steps, loss 4.67, beside a
-        # second soak), so the swarm's learning is asserted below, on the sites that trained longest
+        # it averaged with others, and its loss fell from where it started. How far depends on how
+        # many steps its window held: EAST's is 20 wall seconds (18 steps, loss 4.67, beside a second
+        # soak), so the swarm's learning is asserted below, on the sites that trained longest
         assert summary["federated_rounds"] >= 2, summary
-        assert summary["loss"] < UNTRAINED_LOSS, summary
+        assert loss_fell(summary), summary
         assert summary["energy_kwh"] > 0 and summary["emissions_g"] > 0
 
     assert min(s["loss"] for s in summaries.values()) < LEARNED_LOSS, summaries

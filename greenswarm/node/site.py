@@ -92,6 +92,9 @@ class SiteNode:
         self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
         self.local_steps = self.tokens = self.tokens_since_sync = 0
         self.loss: float | None = None
+        # the first step's loss: where this site started, untrained or from the swarm's model it
+        # adopted on entering its first window (the summary's loss is an EMA that moves slowly from it)
+        self.first_loss: float | None = None
         self.counts = {
             "federated_rounds": 0,
             "solo_rounds": 0,
@@ -202,6 +205,8 @@ class SiteNode:
         self.local_steps += 1
         self.tokens += stats.tokens
         self.tokens_since_sync += stats.tokens
+        if self.first_loss is None:
+            self.first_loss = stats.loss
         self.loss = stats.loss if self.loss is None else 0.9 * self.loss + 0.1 * stats.loss
 
     def _end_round(self, state: SiteState) -> None:
@@ -580,6 +585,7 @@ class SiteNode:
             site["round_index"],
         )
         self.local_steps, self.tokens, self.loss = site["local_steps"], site["tokens"], site["loss"]
+        self.first_loss = site.get("first_loss")  # absent from checkpoints written before it was kept
         self.counts.update(site["counts"])
         self.ledger.load_state_dict(payload["ledger"])
         self.log.info(
@@ -606,6 +612,7 @@ class SiteNode:
                     "local_steps": self.local_steps,
                     "tokens": self.tokens,
                     "loss": self.loss,
+                    "first_loss": self.first_loss,
                     "counts": dict(self.counts),
                 },
             }
@@ -722,6 +729,7 @@ class SiteNode:
             "local_steps": self.local_steps,
             "tokens": self.tokens,
             "loss": self.loss,
+            "first_loss": self.first_loss,
             "eval_loss": self.eval_loss,
             "energy_kwh": self.ledger.energy_kwh,
             "emissions_g": self.ledger.emissions_g,
