@@ -111,10 +111,25 @@ def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) ->
         signal.signal(sig, handler)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C: every ``except KeyboardInterrupt`` catches it.
+
+    Why not a plain ``KeyboardInterrupt``: CPython marks the process as "interrupted" whenever an
+    exact ``KeyboardInterrupt`` leaves any ``exec``/``eval`` of source text, and dataclasses and
+    namedtuples are built that way (as a module that defines them is imported, say). Under
+    ``python -m`` it then kills itself with SIGINT at exit, silently, even though the command
+    caught the interrupt, stopped cleanly and returned 130; a SIGTERM that landed in such an
+    ``exec`` made ``python -m greenswarm demo`` die of SIGINT (``test_shutdown``: "demo exited
+    with -2", the kernel's trace showing the demo sending SIGINT to itself). The flag is set for
+    that exact type only, so a subclass leaves it alone.
+    """
+
+
 def interrupt_on_termination() -> None:
-    """Make SIGTERM and SIGHUP interrupt like Ctrl-C, so a command's ``finally`` blocks run (stopping
-    its DHT, its children and their p2pd daemons) instead of the process vanishing and leaving them.
-    Commands with their own clean stop (node, bootstrap) replace this with :func:`on_termination`."""
+    """Make SIGTERM and SIGHUP interrupt like Ctrl-C (raising :class:`Terminated`), so a command's
+    ``finally`` blocks run (stopping its DHT, its children and their p2pd daemons) instead of the
+    process vanishing and leaving them. Commands with their own clean stop (node, bootstrap) replace
+    this with :func:`on_termination`."""
 
     owner = os.getpid()
 
@@ -123,7 +138,7 @@ def interrupt_on_termination() -> None:
             return
         for sig in (signal.SIGTERM, signal.SIGHUP):  # cleanup must not be cut short by a repeat
             signal.signal(sig, signal.SIG_IGN)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        raise Terminated(signal.Signals(signum).name)
 
     for sig in _stop_signals():
         if sig != signal.SIGINT:  # Python already turns SIGINT into KeyboardInterrupt
