@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.faults
 
 COMMAND = """\
+import signal
 import sys
 
 from greenswarm.procs import interrupt_on_termination
@@ -30,6 +31,10 @@ SOURCE = "print('ready', flush=True)\\nwhile True:\\n    pass\\n"
 
 
 def main() -> int:
+    # a test run started under nohup (or by a shell's background job) hands down an ignored SIGHUP,
+    # which greenswarm rightly keeps ignoring; this command is about a signal that arrives
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     interrupt_on_termination()
     try:
         exec(SOURCE, {})
