@@ -282,6 +282,46 @@ class Swarm:
             proc.wait()
 
 
+def progress_listings(output: str) -> list[list[dict]]:
+    """The complete JSON listings ``greenswarm progress --watch --json`` has printed so far."""
+    listings = []
+    for line in output.splitlines():
+        try:
+            listings.append(json.loads(line))
+        except json.JSONDecodeError:  # a line still being written, or a log line
+            continue
+    return [x for x in listings if isinstance(x, list)]
+
+
+class ProgressWatch:
+    """One ``greenswarm progress --watch 0.5 --json`` reader for a whole test, started again if it
+    exits (it could not reach the swarm).
+
+    A fresh ``greenswarm progress`` per question starts a DHT and a p2pd daemon and takes seconds to
+    answer on a busy machine, longer than a short record lives: a site's last record expires
+    ``progress_ttl_s`` after it stops, so what a site recorded near the end of its run could be missed
+    between two questions. One reader prints a listing every half second.
+    """
+
+    def __init__(self, swarm: Swarm, *args: str, name: str = "watch"):
+        self.swarm, self.args, self.name = swarm, args, name
+        self.names: list[str] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.names.append(f"{self.name}{len(self.names)}")
+        self.swarm.command(self.names[-1], "progress", *self.args, "--watch", "0.5", "--json")
+
+    def listings(self) -> list[list[dict]]:
+        """Every listing printed so far, oldest first."""
+        if self.swarm.procs[self.names[-1]].poll() is not None:
+            self._start()
+        return [listing for name in self.names for listing in progress_listings(self.swarm.log(name))]
+
+    def stop(self) -> None:
+        self.swarm.kill(self.names[-1], signal.SIGTERM)
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE

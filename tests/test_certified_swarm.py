@@ -18,7 +18,7 @@ import pytest
 from greenswarm.bootstrap.identity import load_or_create_identity
 from greenswarm.node.round_log import read_rounds
 from greenswarm.security.certificates import create_authority, issue
-from tests.conftest import Swarm, site_config, wait_until, write_trace
+from tests.conftest import ProgressWatch, Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.security]
 
@@ -48,21 +48,24 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
         # p poisons its first two all-reduces: NaN, then 1000x (each while claiming the clean norm)
         faults = {"GREENSWARM_FAULTS": "poison-nan@1,poison-scale@2"} if name == "p" else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
+    # while they run, greenswarm progress (with the authority) shows the members, a refusal, no
+    # outsider. One watching reader, started while the sites start: the refusals may come only in the
+    # run's last seconds (here the NaN round failed for all and the 1000x one came 8 s before the end),
+    # and a fresh command per question, seconds each on a busy machine, missed the site's last record
+    # (it lives on for node.progress_ttl_s after the site stops)
+    authority_pub = f"{authority}.pub"
+    watch = ProgressWatch(swarm, "--initial-peers", *peers, "--swarm", "test", "--authority", authority_pub)
     start_wall = swarm.start_replay([*MEMBERS, "x"], start_file)
-
-    # while they run, greenswarm progress (with the authority) shows the members, a refusal, no outsider
     seen: dict[str, dict] = {}
 
     def refusal_shown() -> bool:
-        out = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json",
-                        "--authority", f"{authority}.pub")  # fmt: skip
-        if out.returncode == 0:
-            seen.update({r["site"]: r for r in json.loads(out.stdout)})
+        for records in watch.listings():
+            seen.update({r["site"]: r for r in records})
         return any(r.get("refused", 0) > 0 for r in seen.values())
 
-    # (the last record of a site lives on for node.progress_ttl_s after it stops)
     run_s = start_wall + MINUTES * 60 / SPEEDUP - time.time()
     wait_until(refusal_shown, timeout=run_s + 15, what="a refusal in greenswarm progress")
+    watch.stop()
     assert set(seen) <= set(MEMBERS), seen.keys()
 
     for name in MEMBERS:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -23,7 +22,15 @@ import torch
 
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS, AveragingConfig
 from greenswarm.node.round_log import read_rounds
-from tests.conftest import LEARNED_LOSS, Swarm, loss_fell, site_config, wait_until, write_trace
+from tests.conftest import (
+    LEARNED_LOSS,
+    ProgressWatch,
+    Swarm,
+    loss_fell,
+    site_config,
+    wait_until,
+    write_trace,
+)
 
 pytestmark = pytest.mark.swarm
 
@@ -50,17 +57,6 @@ def _minutes(stamp: str) -> float:
     """Minutes since the trace start (2026-01-01 00:00Z) of a log stamp like '2026-01-01 01:30Z'."""
     hours, minutes = stamp.split()[1].rstrip("Z").split(":")
     return int(hours) * 60 + int(minutes)
-
-
-def _listings(output: str) -> list[list[dict]]:
-    """The complete JSON listings ``greenswarm progress --watch --json`` has printed so far."""
-    listings = []
-    for line in output.splitlines():
-        try:
-            listings.append(json.loads(line))
-        except json.JSONDecodeError:  # a line still being written, or a log line
-            continue
-    return [x for x in listings if isinstance(x, list)]
 
 
 def _round_spans(path: Path, start_wall: float) -> list[tuple[float, float]]:
@@ -116,21 +112,11 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
     # trace implies at the clock time each record was written. One watching reader prints a listing
     # every half second (a fresh command per question takes seconds to answer, ~10-30 trace minutes
     # on a busy machine: longer than the period it asks about)
-    watchers: list[str] = []
-
-    def watch() -> None:
-        watchers.append(f"watch{len(watchers)}")
-        swarm.command(
-            watchers[-1], "progress", "--initial-peers", *peers, "--swarm", "test", "--watch", "0.5", "--json"
-        )
-
-    watch()
+    watch = ProgressWatch(swarm, "--initial-peers", *peers, "--swarm", "test")
     listed: list[dict] = []
 
     def three_site_period_listed() -> bool:
-        if swarm.procs[watchers[-1]].poll() is not None:  # it could not reach the swarm: watch again
-            watch()
-        for records in (r for name in watchers for r in _listings(swarm.log(name))):
+        for records in watch.listings():
             if sorted(r["site"] for r in records) == sorted(sites) and all(
                 60 <= _record_minute(r) < 120 for r in records
             ):
@@ -141,7 +127,7 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
     wait_until(
         three_site_period_listed, start_wall + 120 * 60 / SPEEDUP - time.time(), "all three in progress"
     )
-    swarm.kill(watchers[-1], signal.SIGTERM)
+    watch.stop()
     for record in listed:
         minute = _record_minute(record)
         if abs(minute - 105) > 2:  # the state at a window's edge may lag by a training step
