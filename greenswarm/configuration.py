@@ -3,7 +3,8 @@
 Each component owns a dataclass (the scheduler's, the averager's, the node's...). This module turns
 YAML into those dataclasses with strict checking, because a typo in a site config should stop a site
 at start-up with a line that names the file, the line and the field, not hours later with a traceback.
-Type checks follow the dataclass annotations; a dataclass may add ``validate()`` for value checks and
+Type checks follow the dataclass annotations (a ``Literal[...]`` field takes exactly one of its
+values: "must be one of a, b, got 'c'"); a dataclass may add ``validate()`` for value checks and
 raise :class:`~greenswarm.errors.ConfigError` with the field's own name.
 """
 
@@ -88,7 +89,7 @@ def _convert(value: Any, annotation: Any, field: str) -> Any:
     if origin is typing.Literal:
         if value in args:
             return value
-        raise ConfigError(f"expected one of {', '.join(map(repr, args))}, got {value!r}", field=field)
+        raise ConfigError(f"must be one of {', '.join(map(str, args))}, got {value!r}", field=field)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ConfigError(f"expected a mapping of fields, got {_describe(value)}", field=field)

@@ -264,6 +264,7 @@ def build_report(
     opts: DemoOptions,
 ) -> dict[str, Any]:
     """Per-site and total figures from the sites' summaries, with single-site baselines for context."""
+    from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
     from greenswarm.scheduler.energy import baseline_emissions_g
     from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
 
@@ -279,7 +280,7 @@ def build_report(
         summary["share_in_window"] = schedule.share_in_window()
         sites.append(summary)
     t0, t1 = trace.start, trace.start + hours * 3600
-    kw = 2.024
+    kw = ANCHOR_TRAIN_KW
     totals = {
         key: sum(s[key] or 0 for s in sites)
         for key in (

@@ -12,12 +12,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from greenswarm.console import wide_console
 from greenswarm.node.progress import ProgressRecord, fetch_records, open_reader
-from greenswarm.node.progress_view import progress_table, wide_console
-
-
-def _stamp(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(t))
+from greenswarm.node.progress_view import progress_table
+from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
+from greenswarm.timefmt import utc_minute
 
 
 def _header(trace: Any, speedup: float, start_wall: float, end_wall: float) -> Group:
@@ -28,7 +27,7 @@ def _header(trace: Any, speedup: float, start_wall: float, end_wall: float) -> G
         line = f"sites starting; the replay begins in {start_wall - now:.0f} s"
     else:
         line = (
-            f"replaying {trace.source} at {speedup:.0f}x: {_stamp(clock)}"
+            f"replaying {trace.source} at {speedup:.0f}x: {utc_minute(clock)}"
             f" ({(clock - trace.start) / 3600:.1f} of {(end_wall - start_wall) * speedup / 3600:.1f} h)"
         )
     return Group(Text(line, style="bold"), ProgressBar(total=1.0, completed=done, width=60))
@@ -134,6 +133,7 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(table)
     lines = [f"  {r}: {g / 1000:.2f} kg" for r, g in report["baseline_continuous_g"].items()]
     console.print(
-        "one site training continuously (2.024 kW) over the same hours would emit:\n" + "\n".join(lines)
+        f"one site training continuously ({ANCHOR_TRAIN_KW:g} kW) over the same hours would emit:\n"
+        + "\n".join(lines)
     )
     console.print(f"configs, logs, checkpoints and report.json: {report['workdir']}")

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.procs import exit_with_parent, reap_children
@@ -59,7 +59,8 @@ def check_peers(peers: list[str], what: str) -> list[str]:
     return [check_maddr(p, what, need_peer_id=True) for p in peers]
 
 
-REACHABILITY = ("auto", "direct", "relay")
+Reachability = Literal["auto", "direct", "relay"]
+REACHABILITY: tuple[str, ...] = get_args(Reachability)
 
 #: Named p2pd flag sets, registered into hivemind's reachability table (see _register_p2pd_modes).
 RELAY_SERVICE_MODE = "greenswarm-relay-service"
@@ -117,7 +118,7 @@ class SwarmConfig:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     identity: str | None = None
-    reachability: str = "auto"
+    reachability: Reachability = "auto"
     certificate: str | None = None  # this site's membership certificate (greenswarm swarm admit)
     authority: str | None = None  # the swarm authority's public key (.pub) that signed it
 

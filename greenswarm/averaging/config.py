@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from greenswarm.errors import ConfigError
 
-OUTER_KINDS = ("diloco", "fedavg")
+OuterKind = Literal["diloco", "fedavg"]
+OUTER_KINDS: tuple[str, ...] = get_args(OuterKind)
 #: wire formats (greenswarm.averaging.codecs), or "auto": chosen per round from the measured link
-WIRE_CODECS = ("auto", "fp32", "fp16", "scaled-fp16", "bf16", "int8", "int8-zstd", "int7-zstd")
+WireCodec = Literal["auto", "fp32", "fp16", "scaled-fp16", "bf16", "int8", "int8-zstd", "int7-zstd"]
+WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)
 
 #: averaging timeouts for sites on one machine (the demo, tests): rounds that last a few wall seconds
 LOOPBACK_TIMEOUTS = {
@@ -55,11 +58,11 @@ class AveragingConfig:
     """
 
     sync_interval_s: float = 600.0
-    outer: str = "diloco"
+    outer: OuterKind = "diloco"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    wire: str = "auto"
+    wire: WireCodec = "auto"
     error_feedback: bool = True
     round_budget_s: float = 30.0
     matchmaking_s: float = 5.0

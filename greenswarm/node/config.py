@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.configuration import load_config
@@ -22,6 +23,18 @@ from greenswarm.node.model import ModelConfig
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
 
 _SITE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+Device = Literal["auto", "cpu", "cuda"]
+#: fp32, or bf16 autocast (parameters stay fp32)
+Precision = Literal["fp32", "bf16"]
+#: on-crash: fork a new node at once when it dies by a signal; never: end with it
+Restart = Literal["on-crash", "never"]
+
+
+def _check_choice(value: object, kind: object, name: str) -> None:
+    """The ``Literal`` check the loader makes, again for configs built in code."""
+    if value not in get_args(kind):
+        raise ConfigError(f"must be one of {', '.join(get_args(kind))}, got {value!r}", field=name)
 
 
 @dataclass
@@ -40,8 +53,8 @@ class TrainConfig:
     beta2: float = 0.95
     warmup_steps: int = 20
     grad_clip: float = 1.0
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters stay fp32)
+    device: Device = "auto"
+    precision: Precision = "fp32"
     threads: int = 0  # torch CPU threads per process (0: torch's default)
 
     def validate(self) -> None:
@@ -64,10 +77,8 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.threads < 0:
             name = "warmup_steps" if self.warmup_steps < 0 else "threads"
             raise ConfigError("must be >= 0", field=name)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"must be auto, cpu or cuda, got {self.device!r}", field="device")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"must be fp32 or bf16, got {self.precision!r}", field="precision")
+        for name, kind in (("device", Device), ("precision", Precision)):
+            _check_choice(getattr(self, name), kind, name)
 
 
 @dataclass
@@ -87,7 +98,7 @@ class NodeConfig:
     rejoin_s: float = 10.0  # how often to check that an initial peer is connected, and re-dial if not
     idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
     stop_at_trace_end: bool = True
-    restart: str = "on-crash"  # on-crash: fork a new node at once when it dies by a signal | never
+    restart: Restart = "on-crash"
     max_restarts: int = 5  # more crashes than this within restart_window_s end the node (status 1)
     restart_window_s: float = 600.0
     log_every_s: float = 10.0
@@ -96,8 +107,7 @@ class NodeConfig:
     )
 
     def validate(self) -> None:
-        if self.restart not in ("on-crash", "never"):
-            raise ConfigError(f"must be on-crash or never, got {self.restart!r}", field="restart")
+        _check_choice(self.restart, Restart, "restart")
         if self.max_restarts < 0:
             raise ConfigError(f"must be >= 0, got {self.max_restarts}", field="max_restarts")
         if self.keep_globals < 0:

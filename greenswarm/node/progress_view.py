@@ -6,16 +6,13 @@ import json
 import time
 from collections.abc import Sequence
 
-from rich.console import Console
 from rich.table import Table
 
+from greenswarm.console import wide_console
 from greenswarm.node.progress import ProgressRecord
+from greenswarm.timefmt import utc_short
 
 STATE_STYLE = {"IDLE": "dim", "SOLO": "yellow", "FEDERATED": "bold green"}
-
-
-def _clock(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%m-%d %H:%MZ", time.gmtime(t))
 
 
 def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
@@ -49,10 +46,10 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
             f"{r.tokens:,}",
             "-" if r.loss is None else f"{r.loss:.3f}",
             r.wire or "-",
-            _clock(r.window_end),
+            utc_short(r.window_end),
             f"{r.energy_kwh:.2f}",
             f"{r.emissions_g:,.0f}",
-            _clock(r.clock_time),
+            utc_short(r.clock_time),
             f"{max(0.0, now - r.wall_time):.0f}s ago",
             *([f"[red]{r.refused}[/]" if r.refused else "0"] if refusals else []),
         )
@@ -61,12 +58,6 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
 
 def records_json(records: Sequence[ProgressRecord], indent: int | None = 2) -> str:
     return json.dumps([r.to_wire() for r in records], indent=indent)
-
-
-def wide_console() -> Console:
-    """A console that does not squeeze tables into 80 columns when output goes to a file or a pipe."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
 
 
 def show_progress(

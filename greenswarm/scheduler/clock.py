@@ -16,11 +16,11 @@ import math
 import os
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from greenswarm.errors import ConfigError
+from greenswarm.timefmt import parse_instant
 
 if TYPE_CHECKING:
     from greenswarm.scheduler.config import ClockConfig
@@ -195,22 +195,6 @@ def write_start_file(path: str | Path, start_wall: float) -> None:
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(repr(float(start_wall)))
     os.replace(partial, path)
-
-
-def parse_instant(text: str) -> float:
-    """Parse an ISO 8601 instant with an offset or ``Z`` to unix seconds.
-
-    A naive time is refused: in a config it would mean a different instant on every machine.
-    """
-    if not isinstance(text, str):
-        raise ConfigError(f"expected an ISO 8601 time such as 2026-01-11T17:00:00Z, got {text!r}")
-    try:
-        stamp = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConfigError(f"cannot parse '{text}' as an ISO 8601 time such as 2026-01-11T17:00:00Z") from None
-    if stamp.tzinfo is None:
-        raise ConfigError(f"'{text}' has no UTC offset; add Z or +HH:MM")
-    return stamp.timestamp()
 
 
 def make_clock(cfg: ClockConfig, trace_start: float) -> Clock:

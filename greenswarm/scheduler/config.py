@@ -1,5 +1,9 @@
 """Configuration of the scheduler, the clock and the energy model.
 
+:class:`TraceSource` holds where a site's intensity comes from and how the file is read;
+:class:`SchedulerConfig` adds the window rule and the clock to it. A site YAML writes both in one
+flat ``scheduler:`` section, as it always has.
+
 Each dataclass validates itself and names the offending field by its own name only; a parent
 prefixes its path with :meth:`ConfigError.located`, and the file loader adds the file and line. So a
 bad value surfaces as ``site.yaml:12: scheduler.clock.speedup: must be > 0`` however deep it sits.
@@ -9,20 +13,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from typing import Any, Literal, get_args
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from greenswarm.errors import ConfigError
-from greenswarm.scheduler.clock import parse_instant
 from greenswarm.scheduler.forecast import FORECASTERS, make_forecaster
 from greenswarm.scheduler.policy import HysteresisPolicy, PercentilePolicy, WindowPolicy
+from greenswarm.timefmt import NaiveTimeError, parse_instant, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES
 from greenswarm.traces.readers import INTERPOLATIONS, UNITS, VARIANTS
 
-CLOCK_KINDS = ("wall", "replay")
+ClockKind = Literal["wall", "replay"]
+CLOCK_KINDS: tuple[str, ...] = get_args(ClockKind)
 #: Where a site's power draw comes from (see :class:`EnergyConfig`).
-POWER_SOURCES = ("auto", "config", "nvml")
+PowerSource = Literal["auto", "config", "nvml"]
+POWER_SOURCES: tuple[str, ...] = get_args(PowerSource)
+
+#: kW a site draws while training unless its config says otherwise: the curtail-llm anchor's
+#: figure, which its paper's kWh and kg and every greenswarm comparison with it use.
+ANCHOR_TRAIN_KW = 2.024
+#: kW the anchor's sites drew while provisioned but not training (its ``curtail-llm`` policy's idle).
+ANCHOR_IDLE_KW = 0.468
 
 
 def check_number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
@@ -34,7 +45,8 @@ def check_number(value: object, name: str, *, minimum: float, inclusive: bool) -
 
 
 def _choice(value: object, choices: tuple[str, ...] | list[str], name: str) -> None:
-    """Check that ``value`` is one of ``choices``, ignoring case as the trace readers do."""
+    """Check that ``value`` is one of ``choices``, ignoring case as the trace readers do (so these
+    fields stay ``str``: a ``Literal`` field matches exactly)."""
     if not isinstance(value, str) or value.strip().lower() not in {c.lower() for c in choices}:
         raise ConfigError(f"must be one of {', '.join(choices)}, got {value!r}", field=name)
 
@@ -52,14 +64,17 @@ def _offset_origin(start: object, timezone: str | None) -> None:
             raise ConfigError(f"must be finite seconds or an ISO 8601 instant, got {start!r}", field="start")
         return
     try:
-        stamp = datetime.fromisoformat(text)
+        parse_iso(text)
+    except NaiveTimeError:
+        if timezone is None:
+            raise ConfigError(
+                f"{start!r} has no UTC offset; add Z or +HH:MM, or set timezone", field="start"
+            ) from None
     except ValueError:
         raise ConfigError(
             f"cannot parse {start!r} as unix seconds or an ISO 8601 time such as 2026-01-11T17:00:00Z",
             field="start",
         ) from None
-    if stamp.tzinfo is None and timezone is None:
-        raise ConfigError(f"{start!r} has no UTC offset; add Z or +HH:MM, or set timezone", field="start")
 
 
 @dataclass
@@ -74,7 +89,7 @@ class ClockConfig:
     (the demo does). All of these are ignored by the wall clock.
     """
 
-    kind: str = "wall"
+    kind: ClockKind = "wall"
     start: str | None = None
     speedup: float = 1.0
     start_wall: float | None = None
@@ -99,50 +114,34 @@ class ClockConfig:
 
 
 @dataclass
-class SchedulerConfig:
-    """Where the intensity comes from and when a site may train.
+class TraceSource:
+    """Where a site's intensity comes from and how the trace file is read.
 
     ``trace`` is ``builtin``, ``builtin:<name>`` or a file path; ``timezone`` (IANA) applies to naive
-    timestamps in the file. A site is in a window while intensity < ``threshold`` gCO2/kWh (100:
-    the anchor's); windows shorter than ``min_window_s`` are skipped; while idle the site rechecks
-    every ``poll_s`` seconds of clock time.
+    timestamps in the file. The reader's options: ``units`` of the file's values (g/kWh, kg/kWh,
+    lbs/MWh), ``variant`` of an Electricity Maps export (direct or lca), ``start`` (unix seconds or
+    ISO instant) that plain-number time cells count from in offset-seconds traces (Vessim-style; not
+    the replay start, which is ``clock.start``), ``max_gap_s`` the longest hole allowed between
+    samples (default a few median steps), and ``interpolate``: ``hold`` keeps the published step
+    function, as a live controller sees it; ``linear`` interpolates onto a ``grid_s`` grid, the
+    curtail-llm anchor's convention, for replays that should match its accounting.
 
-    The trace reader's options: ``units`` of the file's values (g/kWh, kg/kWh, lbs/MWh), ``variant``
-    of an Electricity Maps export (direct or lca), ``start`` (unix seconds or ISO instant) that
-    plain-number time cells count from in offset-seconds traces (Vessim-style; not the replay start,
-    which is ``clock.start``), ``max_gap_s`` the longest hole allowed between samples (default a few
-    median steps), and ``interpolate``: ``hold`` keeps the published step function, as a live
-    controller sees it; ``linear`` interpolates onto a ``grid_s`` grid, the curtail-llm anchor's
-    convention, for replays that should match its accounting.
-
-    The window rule (see :mod:`greenswarm.scheduler.policy`): a site enters below ``threshold`` and
-    leaves once intensity has been >= ``leave_above`` (default: ``threshold``) for ``dwell_s``
-    seconds; with ``lookahead`` (a forecaster: oracle, seasonal, persistence, climatology, noisy) it
-    leaves at once when the forecast says the dirty spell will outlast the dwell. The anchor's rule
-    is ``threshold: 100, dwell_s: 600``. Alternatively ``percentile`` (0-100) opens windows below
-    that percentile of the region's own trace, rolling over the last ``percentile_period_s`` seconds
-    when set; it does not combine with ``leave_above``/``dwell_s``/``lookahead``.
+    ``units``, ``variant`` and ``interpolate`` match case-insensitively, as the reader does, so they
+    are plain strings checked here rather than ``Literal`` fields.
     """
 
     trace: str = "builtin"
     timezone: str | None = None
-    threshold: float = 100.0
-    min_window_s: float = 0.0
-    poll_s: float = 10.0
     units: str = "g/kWh"
     variant: str = "direct"
     start: str | None = None
     interpolate: str = "hold"
     grid_s: float = 60.0
     max_gap_s: float | None = None
-    leave_above: float | None = None
-    dwell_s: float = 0.0
-    lookahead: str | None = None
-    percentile: float | None = None
-    percentile_period_s: float | None = None
-    clock: ClockConfig = field(default_factory=ClockConfig)
 
     def validate(self) -> None:
+        """Checked here so a typo stops the site at start-up with the config's file and line instead
+        of inside the reader."""
         if not isinstance(self.trace, str) or not self.trace.strip():
             raise ConfigError("must be 'builtin', 'builtin:<name>' or a trace file path", field="trace")
         if self.trace.startswith("builtin:") and self.trace.partition(":")[2] not in BUILTIN_TRACES:
@@ -158,21 +157,6 @@ class SchedulerConfig:
                     f"unknown timezone {self.timezone!r} (expected an IANA name such as Europe/Berlin)",
                     field="timezone",
                 ) from None
-        check_number(self.threshold, "threshold", minimum=0.0, inclusive=False)
-        check_number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
-        check_number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
-        self._validate_reading()
-        self._validate_rule()
-        if not isinstance(self.clock, ClockConfig):
-            raise ConfigError("must be a mapping of clock settings", field="clock")
-        try:
-            self.clock.validate()
-        except ConfigError as err:
-            raise err.located("clock") from None
-
-    def _validate_reading(self) -> None:
-        """The options passed to the trace reader, checked here so a typo stops the site at start-up
-        with the config's file and line instead of inside the reader."""
         _choice(self.units, list(UNITS), "units")
         _choice(self.variant, list(VARIANTS), "variant")
         _choice(self.interpolate, INTERPOLATIONS, "interpolate")
@@ -181,6 +165,61 @@ class SchedulerConfig:
             check_number(self.max_gap_s, "max_gap_s", minimum=0.0, inclusive=False)
         if self.start is not None:
             _offset_origin(self.start, self.timezone)
+
+    def trace_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`~greenswarm.traces.load_trace`, so every caller that loads a
+        site's trace reads it the same way."""
+        return {
+            "tz": self.timezone,
+            "units": self.units,
+            "variant": self.variant,
+            "start": self.start,
+            "max_gap_s": self.max_gap_s,
+            "interpolate": self.interpolate,
+            "grid_s": self.grid_s,
+        }
+
+
+@dataclass
+class SchedulerConfig(TraceSource):
+    """When a site may train: its :class:`TraceSource` (inherited, so a site YAML keeps one flat
+    ``scheduler:`` section), the window rule and the clock.
+
+    A site is in a window while intensity < ``threshold`` gCO2/kWh (100: the anchor's); windows
+    shorter than ``min_window_s`` are skipped; while idle the site rechecks every ``poll_s`` seconds
+    of clock time.
+
+    The window rule (see :mod:`greenswarm.scheduler.policy`): a site enters below ``threshold`` and
+    leaves once intensity has been >= ``leave_above`` (default: ``threshold``) for ``dwell_s``
+    seconds; with ``lookahead`` (a forecaster: oracle, seasonal, persistence, climatology, noisy) it
+    leaves at once when the forecast says the dirty spell will outlast the dwell. The anchor's rule
+    is ``threshold: 100, dwell_s: 600``. Alternatively ``percentile`` (0-100) opens windows below
+    that percentile of the region's own trace, rolling over the last ``percentile_period_s`` seconds
+    when set; it does not combine with ``leave_above``/``dwell_s``/``lookahead``.
+    """
+
+    threshold: float = 100.0
+    min_window_s: float = 0.0
+    poll_s: float = 10.0
+    leave_above: float | None = None
+    dwell_s: float = 0.0
+    lookahead: str | None = None
+    percentile: float | None = None
+    percentile_period_s: float | None = None
+    clock: ClockConfig = field(default_factory=ClockConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        check_number(self.threshold, "threshold", minimum=0.0, inclusive=False)
+        check_number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
+        check_number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
+        self._validate_rule()
+        if not isinstance(self.clock, ClockConfig):
+            raise ConfigError("must be a mapping of clock settings", field="clock")
+        try:
+            self.clock.validate()
+        except ConfigError as err:
+            raise err.located("clock") from None
 
     def _validate_rule(self) -> None:
         """The window rule's fields, including the combinations that make no sense."""
@@ -221,24 +260,12 @@ class SchedulerConfig:
             lookahead=make_forecaster(self.lookahead.strip().lower()) if self.lookahead else None,
         )
 
-    def trace_options(self) -> dict[str, Any]:
-        """Keyword options for :func:`~greenswarm.traces.load_trace`, so every caller that loads a
-        site's trace reads it the same way."""
-        return {
-            "tz": self.timezone,
-            "units": self.units,
-            "variant": self.variant,
-            "start": self.start,
-            "max_gap_s": self.max_gap_s,
-            "interpolate": self.interpolate,
-            "grid_s": self.grid_s,
-        }
-
 
 @dataclass
 class EnergyConfig:
-    """The site's power model. 2.024 kW while training is the anchor's (curtail-llm) figure; idle
-    draw is 0 because greenswarm releases GPUs outside windows instead of keeping them provisioned.
+    """The site's power model. :data:`ANCHOR_TRAIN_KW` while training is the anchor's (curtail-llm)
+    figure; idle draw is 0 because greenswarm releases GPUs outside windows instead of keeping them
+    provisioned.
 
     ``source`` says where the training draw comes from: ``config`` always uses ``train_kw``;
     ``nvml`` measures the GPUs this process sees through NVML (and refuses to start without it);
@@ -248,9 +275,9 @@ class EnergyConfig:
     The idle draw is always ``idle_kw``: outside windows the GPUs are released, not measured.
     """
 
-    train_kw: float = 2.024
+    train_kw: float = ANCHOR_TRAIN_KW
     idle_kw: float = 0.0
-    source: str = "auto"
+    source: PowerSource = "auto"
     nvml_overhead: float = 1.0
 
     def validate(self) -> None:

@@ -9,21 +9,15 @@ dict (what ``--json`` prints), :func:`print_windows` as a table, :func:`plot_win
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from greenswarm.errors import ConfigError, GreenswarmError
+from greenswarm.console import pyplot, save_figure, wide_console
+from greenswarm.errors import ConfigError
 from greenswarm.scheduler.policy import PercentilePolicy, ThresholdPolicy, Window, WindowPolicy
+from greenswarm.timefmt import iso_utc, naive_utc
 from greenswarm.traces.readers import load_trace
 from greenswarm.traces.trace import Trace
-
-
-def _iso(t: float) -> str:
-    """Unix seconds as an ISO 8601 UTC instant (``2026-01-11T17:05:00Z``)."""
-    stamp = datetime.fromtimestamp(t, tz=UTC)
-    text = stamp.isoformat(timespec="seconds" if stamp.microsecond == 0 else "milliseconds")
-    return text.replace("+00:00", "Z")
 
 
 def effective_threshold(policy: WindowPolicy, trace: Trace, region: str) -> float | None:
@@ -76,7 +70,12 @@ def windows_report(trace: Trace, region: str, policy: WindowPolicy) -> dict[str,
         "policy": describe_policy(policy),
         "threshold": threshold,
         "windows": [
-            {"start": _iso(w.start), "end": _iso(w.end), "hours": w.duration / 3600.0} for w in windows
+            {
+                "start": iso_utc(w.start, milliseconds=True),
+                "end": iso_utc(w.end, milliseconds=True),
+                "hours": w.duration / 3600.0,
+            }
+            for w in windows
         ],
         "share_in_window": sum(w.duration for w in windows) / span,
         "count": len(windows),
@@ -93,8 +92,6 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 def print_windows(report: dict[str, Any]) -> None:
     """Print a report as a table of windows and a one-line summary."""
     from rich.table import Table
-
-    from greenswarm.node.progress_view import wide_console
 
     table = Table(title=f"{report['region']}: {report['policy']} ({report['trace']})")
     table.add_column("#", justify="right")
@@ -128,19 +125,16 @@ def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Pa
     threshold = effective_threshold(policy, trace, region)
     out = Path(path).expanduser()
 
-    def _dt(t: float) -> datetime:
-        return datetime.fromtimestamp(float(t), tz=UTC).replace(tzinfo=None)
-
     times = np.append(trace.times, trace.end)
-    xs = mdates.date2num([_dt(t) for t in times])
+    xs = mdates.date2num([naive_utc(t) for t in times])
     ys = np.append(series, series[-1])
     fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     try:
         ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.0, label="intensity")
         for i, w in enumerate(windows):
             ax.axvspan(
-                mdates.date2num(_dt(w.start)),
-                mdates.date2num(_dt(w.end)),
+                mdates.date2num(naive_utc(w.start)),
+                mdates.date2num(naive_utc(w.end)),
                 color="tab:green",
                 alpha=0.2,
                 linewidth=0,
@@ -167,27 +161,6 @@ def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Pa
     finally:
         plt.close(fig)
     return out
-
-
-def pyplot():  # noqa: ANN201 - matplotlib.pyplot, imported late: plotting is optional work
-    """matplotlib's pyplot on the file-only Agg backend, its chatter kept below warnings."""
-    import logging
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(max(logging.getLogger().level, logging.WARNING))
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, out: Path) -> None:
-    """Write ``fig`` as a PNG; an unwritable path is one clear line, not a traceback."""
-    try:
-        fig.savefig(out, dpi=110)
-    except OSError as err:
-        raise GreenswarmError(f"{out}: cannot write plot ({err.strerror or err})") from None
 
 
 def run_windows(

@@ -11,9 +11,9 @@ from greenswarm.security.certificates import (
     issue,
     load_authority_public,
     parse_validity,
-    stamp,
     verify,
 )
+from greenswarm.timefmt import utc_second
 
 
 def run_swarm_command(args: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def run_swarm_command(args: argparse.Namespace) -> int:
             out=args.out,
         )
         result = {"certificate": args.out, **asdict(membership)}
-        until = stamp(membership.expires)
+        until = utc_second(membership.expires)
         text = f"{args.out}: {membership.site} ({membership.region}) admitted until {until}"
     else:
         membership = verify(
@@ -50,7 +50,7 @@ def run_swarm_command(args: argparse.Namespace) -> int:
         result = {"valid": True, **asdict(membership)}
         text = (
             f"{args.certificate}: valid; {membership.site} ({membership.region}) in swarm "
-            f"'{membership.swarm}', peer {membership.peer_id}, until {stamp(membership.expires)}"
+            f"'{membership.swarm}', peer {membership.peer_id}, until {utc_second(membership.expires)}"
         )
     print(json.dumps(result) if args.json else text)
     return 0

@@ -19,10 +19,12 @@ import base64
 import json
 import time
 from dataclasses import asdict, dataclass
+from datetime import UTC
 from pathlib import Path
 
 from greenswarm.errors import GreenswarmError
 from greenswarm.private_files import write_private
+from greenswarm.timefmt import parse_iso, utc_second
 
 FORMAT = "greenswarm-membership/1"
 PUBLIC_SUFFIX = ".pub"
@@ -243,31 +245,22 @@ def check_binding(
         )
     now = time.time() if now is None else now
     if now < membership.issued:
-        raise CertificateError(f"{source}: not valid yet (issued for {stamp(membership.issued)})")
+        raise CertificateError(f"{source}: not valid yet (issued for {utc_second(membership.issued)})")
     if now >= membership.expires:
-        raise CertificateError(f"{source}: expired at {stamp(membership.expires)}; ask for a new one")
+        raise CertificateError(f"{source}: expired at {utc_second(membership.expires)}; ask for a new one")
     return membership
-
-
-def stamp(t: float) -> str:
-    """A certificate time as people read it (UTC)."""
-    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
 
 def parse_validity(text: str) -> float:
     """``--expires``: a duration (``30d``, ``12h``, ``90m``) or an ISO date; seconds from now."""
-    from datetime import UTC, datetime
-
     text = text.strip()
     units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
     if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
         return float(text[:-1]) * units[text[-1]]
-    try:
-        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:  # a date alone is midnight UTC; "Z" is spelled out, so that "2027-01-31Z" reads as UTC too
+        when = parse_iso(text.replace("Z", "+00:00"), UTC)
     except ValueError:
         raise CertificateError(
             f"--expires: {text!r} is neither a duration (30d, 12h, 90m) nor an ISO date (2027-01-31)"
         ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.timestamp() - time.time()
+    return when - time.time()

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from greenswarm.errors import TraceError
+from greenswarm.scheduler.config import ANCHOR_IDLE_KW, ANCHOR_TRAIN_KW
 from greenswarm.scheduler.forecast import values_at
 from greenswarm.simulation.engine import Segments, SiteRun
 from greenswarm.simulation.intervals import as_intervals, subtract
@@ -153,8 +154,8 @@ def anchor_runs(
     regions: dict[str, str] | None = None,
     offset_s: float = 0.0,
     gap_s: float = DEFAULT_GAP_S,
-    train_kw: float = 2.024,
-    idle_kw: float = 0.468,
+    train_kw: float = ANCHOR_TRAIN_KW,
+    idle_kw: float = ANCHOR_IDLE_KW,
 ) -> tuple[list[SiteRun], float, float]:
     """The anchor's clients as :class:`SiteRun` s in trace time, with the run's start and end."""
     events = read_events(events_path)

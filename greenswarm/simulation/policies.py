@@ -23,17 +23,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
-from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig, check_number
+from greenswarm.scheduler.config import ANCHOR_IDLE_KW, EnergyConfig, SchedulerConfig, check_number
 from greenswarm.simulation.engine import Segments, SiteRun, split_federated
 from greenswarm.simulation.intervals import as_intervals, subtract
 from greenswarm.traces.trace import Trace
 
-STARTUP_POWER = ("idle", "train")
+StartupPower = Literal["idle", "train"]
+STARTUP_POWER: tuple[str, ...] = get_args(StartupPower)
 
 
 @dataclass
@@ -48,7 +50,7 @@ class ProvisioningConfig:
     """
 
     startup_s: float = 0.0
-    startup_power: str = "idle"
+    startup_power: StartupPower = "idle"
     round_s: float = 600.0
     round_overhead_s: float = 0.0
     at_polls: bool = True
@@ -109,7 +111,7 @@ POLICIES: dict[str, PolicyConfig] = {
     "curtail-llm": _preset(
         "curtail-llm",
         {"dwell_s": 600.0},
-        {"idle_kw": 0.468},
+        {"idle_kw": ANCHOR_IDLE_KW},
         {"startup_s": 300.0, "round_overhead_s": 130.0},
     ),
     "ideal": _preset("ideal", {}, {}, {"at_polls": False}),

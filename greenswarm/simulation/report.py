@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
+from greenswarm.console import pyplot, save_figure, wide_console
+from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
 from greenswarm.scheduler.energy import baseline_emissions_g
 from greenswarm.scheduler.forecast import Forecaster, NoisyForecaster, make_forecaster
 from greenswarm.simulation.deadline import deadline_runs, foresight_runs
@@ -29,15 +30,11 @@ from greenswarm.simulation.engine import (
 )
 from greenswarm.simulation.intervals import coverage
 from greenswarm.simulation.policies import POLICIES, PolicyConfig, simulate_policy
+from greenswarm.timefmt import iso_utc, parse_instant
 from greenswarm.traces.trace import Trace
 
 #: Policies that choose their own hours against a deadline instead of following windows.
 DEADLINE_POLICIES = ("deadline", "foresight")
-
-
-def iso(t: float) -> str:
-    """Unix seconds as an ISO 8601 UTC instant."""
-    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -119,7 +116,9 @@ def simulate(
         trace.series(region)
     start = trace.start if start is None else float(start)
     if not trace.start <= start < trace.end:
-        raise ValueError(f"start {iso(start)} is outside the trace ({iso(trace.start)} .. {iso(trace.end)})")
+        raise ValueError(
+            f"start {iso_utc(start)} is outside the trace ({iso_utc(trace.start)} .. {iso_utc(trace.end)})"
+        )
     deadline = trace.end if deadline_h is None else min(start + deadline_h * 3600.0, trace.end)
     if isinstance(policy, PolicyConfig):
         sched = replace(policy.scheduler, threshold=threshold) if threshold is not None else policy.scheduler
@@ -129,7 +128,7 @@ def simulate(
         energy.validate()
         threshold, train_kw = sched.threshold, energy.train_kw
     threshold = 100.0 if threshold is None else threshold
-    train_kw = 2.024 if train_kw is None else train_kw
+    train_kw = ANCHOR_TRAIN_KW if train_kw is None else train_kw
     work_s = None if work_h is None else work_h * 3600.0
 
     forecaster = (
@@ -163,7 +162,7 @@ def simulate(
         policy.describe()
         if isinstance(policy, PolicyConfig)
         else (
-            f"cleanest site-hours before {iso(deadline)}"
+            f"cleanest site-hours before {iso_utc(deadline)}"
             + (
                 f", planned with the {_forecast_text(forecast, forecast_error)}"
                 if policy == "deadline"
@@ -177,8 +176,8 @@ def simulate(
         "trace": trace.source,
         "regions": list(regions),
         "threshold": threshold,
-        "start": iso(start),
-        "end": iso(end),
+        "start": iso_utc(start),
+        "end": iso_utc(end),
         "wall_hours": (end - start) / 3600.0,
         "work_site_hours": None if work_h is None else work_h,
         "site_hours": work_done / 3600.0,
@@ -210,7 +209,7 @@ def simulate(
         report["forecast"] = forecast
         if forecast == "noisy":
             report["forecast_error"] = forecast_error
-        report["deadline"] = iso(deadline)
+        report["deadline"] = iso_utc(deadline)
     yardsticks = {"ideal": ideal, "foresight": foresight}
     report["compare"] = {}
     for other in compare:
@@ -245,8 +244,6 @@ def _fmt(x: float | None, spec: str) -> str:
 def print_simulation(report: dict[str, Any]) -> None:
     """The report as a per-site table and the swarm's totals next to the yardsticks."""
     from rich.table import Table
-
-    from greenswarm.node.progress_view import wide_console
 
     console = wide_console()
     table = Table(title=f"{report['policy']}: {report['description']}")
@@ -294,8 +291,6 @@ def plot_simulation(sim: Simulation, path: str) -> str:
     on a log scale so that kilograms and grams share one axis)."""
     from pathlib import Path
 
-    from greenswarm.scheduler.windows_report import pyplot, save_figure
-
     plt = pyplot()
 
     rep = sim.report
@@ -342,7 +337,7 @@ def _train_kw(sim: Simulation) -> float:
         for seg in run.segments:
             if seg.kind == "train" and seg.rate == 1.0:
                 return seg.kw
-    return 2.024
+    return ANCHOR_TRAIN_KW
 
 
 def cumulative_kg(runs: list[SiteRun], trace: Trace, grid: np.ndarray) -> np.ndarray:
@@ -395,7 +390,6 @@ def run_simulate(
     import json
 
     from greenswarm.errors import ConfigError
-    from greenswarm.scheduler.clock import parse_instant
     from greenswarm.scheduler.forecast import FORECASTERS
     from greenswarm.simulation.policies import load_policy
     from greenswarm.traces.readers import load_trace
@@ -421,7 +415,8 @@ def run_simulate(
         raise ConfigError(err.message, where="--start") from None
     if begin is not None and not loaded.start <= begin < loaded.end:
         raise ConfigError(
-            f"{start} is outside the trace ({iso(loaded.start)} .. {iso(loaded.end)})", where="--start"
+            f"{start} is outside the trace ({iso_utc(loaded.start)} .. {iso_utc(loaded.end)})",
+            where="--start",
         )
     try:
         sim = simulate(

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from greenswarm.console import wide_console
 from greenswarm.errors import ConfigError
+from greenswarm.scheduler.config import ANCHOR_IDLE_KW, ANCHOR_TRAIN_KW
 from greenswarm.scheduler.energy import baseline_emissions_g
 from greenswarm.simulation.anchor import DEFAULT_GAP_S, PUBLISHED, anchor_runs
 from greenswarm.simulation.engine import account
@@ -27,8 +29,8 @@ def reproduce(
     offset_s: float = 0.0,
     gap_s: float = DEFAULT_GAP_S,
     threshold: float = 100.0,
-    train_kw: float = 2.024,
-    idle_kw: float = 0.468,
+    train_kw: float = ANCHOR_TRAIN_KW,
+    idle_kw: float = ANCHOR_IDLE_KW,
     baseline_h: float = PUBLISHED["site_hours"],
 ) -> dict[str, Any]:
     """Ours vs published: wall hours, site-hours, kWh, kg, in-window share, and the single-site
@@ -80,8 +82,6 @@ def _row(name: str, ours: float, published: float | None) -> dict[str, Any]:
 
 def print_reproduction(report: dict[str, Any]) -> None:
     from rich.table import Table
-
-    from greenswarm.node.progress_view import wide_console
 
     table = Table(title=f"curtail-llm run accounted by greenswarm ({report['trace']})")
     for col in ("quantity", "greenswarm", "published", "difference"):

@@ -26,7 +26,8 @@ from functools import partial
 
 import numpy as np
 
-from greenswarm.errors import TraceError
+from greenswarm.errors import ConfigError, TraceError
+from greenswarm.timefmt import parse_instant
 from greenswarm.traces.trace import Trace
 
 #: Standard deviation of the multiplicative noise (fraction of the level).
@@ -78,9 +79,6 @@ DEFAULT_BUILTIN = "anchor3"
 
 
 def _parse_start(text: str) -> float:
-    from greenswarm.errors import ConfigError
-    from greenswarm.scheduler.clock import parse_instant
-
     try:
         return parse_instant(text)
     except ConfigError as e:

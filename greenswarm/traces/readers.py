@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, tzinfo
+from datetime import UTC, tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -38,6 +38,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import numpy as np
 
 from greenswarm.errors import TraceError
+from greenswarm.timefmt import NaiveTimeError, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES, DEFAULT_BUILTIN
 from greenswarm.traces.trace import Trace, median_resolution
 
@@ -89,14 +90,11 @@ def parse_timestamp(text: str, zone: tzinfo | None, where: str) -> float:
     """
     text = text.strip()
     try:
-        stamp = datetime.fromisoformat(text)
+        return parse_iso(text, zone)
+    except NaiveTimeError:
+        raise TraceError(f"{where}: naive timestamp '{text}'; pass a timezone (--tz)") from None
     except ValueError:
         raise TraceError(f"{where}: cannot parse timestamp '{text}' (expected ISO 8601)") from None
-    if stamp.tzinfo is None:
-        if zone is None:
-            raise TraceError(f"{where}: naive timestamp '{text}'; pass a timezone (--tz)")
-        stamp = stamp.replace(tzinfo=zone)
-    return stamp.timestamp()
 
 
 def _parse_time(text: str, zone: tzinfo | None, start: float | None, where: str) -> float:

@@ -1,0 +1,1 @@
+"""A site: its node, inner trainer, model, data, checkpoints and progress records."""

@@ -1,0 +1,1 @@
+"""Policies against a trace without training: intervals, the engine, reports, the anchor."""
