@@ -139,7 +139,7 @@ def swarm_probe(args: argparse.Namespace, dht, t0: float, joined: float) -> None
         ended = time.monotonic()
         if outcome.ok and first_done is None:
             first_done = ended - t0
-        allreduce_s = float(avg._allreduce[0]) if outcome.ok else None
+        allreduce_s = outcome.report.seconds if outcome.ok else None  # coding + all-reduce
         rounds.append(
             {
                 "ok": outcome.ok,

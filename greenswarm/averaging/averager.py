@@ -24,15 +24,12 @@ What it adds to hivemind, and why:
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
+import functools
 import logging
-import multiprocessing
 import signal
 import time
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,10 +43,11 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from greenswarm.averaging.codecs import WIRE_FORMATS, CarriesNaN, wire_format
+from greenswarm.averaging.codecs import CarriesNaN, wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
+from greenswarm.averaging.round_report import RoundFailed, RoundOutcome, RoundReport
 from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
@@ -60,25 +58,11 @@ from greenswarm.security.certificates import CertificateError
 
 log = logging.getLogger(__name__)
 
+#: seconds hivemind's own all-reduce timeout waits beyond greenswarm's (which ends a round with its report)
+ALLREDUCE_BACKSTOP_S = 5.0
+
 #: what a site serves to newcomers: (metadata, tensors)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
-
-
-@dataclass
-class RoundOutcome:
-    """The result of one averaging attempt. ``averaged`` is set only when ``ok``."""
-
-    ok: bool
-    reason: str = ""
-    members: list[str] = field(default_factory=list)
-    gathered: dict[str, Any] = field(default_factory=dict)
-    averaged: torch.Tensor | None = None
-    seconds: float = 0.0
-    wire: str = ""  # the wire format the group chose
-    residual: torch.Tensor | None = None  # what this site's coding left out of what it sent
-    allreduce_s: float | None = None  # time in the all-reduce itself (None: no group formed)
-    slot: int = -1  # the group's round slot: the latest of its members' (all of them compute the same)
-    refused: dict[str, str] = field(default_factory=dict)  # peer -> why its update was not averaged in
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -105,14 +89,10 @@ class SwarmAverager(DecentralizedAverager):
         self._refusals = RefusalLog(log)  # an outsider's flood of requests must not flood the log
         self._state_provider = state_provider
         self._faults = faults or FaultPlan()  # copied into the averager process by the fork
-        # written by the averager process during a round, read here after it (shared before the fork)
+        # what coding left out of this site's update: written by the averager process during a round and
+        # read here after it (a model-sized vector: shared memory, like the averaged buffer itself)
         self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
-        # seconds, wire bytes, index of the chosen format in WIRE_FORMATS, and the monotonic time the
-        # all-reduce began (CLOCK_MONOTONIC is system-wide, so it compares across processes)
-        self._allreduce = torch.zeros(4, dtype=torch.float64).share_memory_()
-        self._refusal = multiprocessing.Array(ctypes.c_char, 1024, lock=False)  # why a group was refused
-        # groupmates' updates this site's reducer refused in the current round (JSON: peer -> why)
-        self._refused_parts = multiprocessing.Array(ctypes.c_char, 4096, lock=False)
+        self._reports: dict[bytes, RoundReport] = {}  # (averager process) group id -> its round's report
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
         super().__init__(
@@ -124,7 +104,8 @@ class SwarmAverager(DecentralizedAverager):
             min_group_size=2,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=cfg.request_timeout_s,
-            allreduce_timeout=cfg.allreduce_timeout_s,
+            # a backstop: greenswarm's own timeout (_aggregate_with_group) ends a round first, with a report
+            allreduce_timeout=cfg.allreduce_timeout_s + ALLREDUCE_BACKSTOP_S,
             next_chunk_timeout=cfg.chunk_timeout_s,
             compression=wire_format("int8" if cfg.wire == "auto" else cfg.wire).compression,  # per round
             state_compression=NoCompression(),  # state must arrive bit-exact
@@ -179,45 +160,41 @@ class SwarmAverager(DecentralizedAverager):
             norm = update_norm(delta)  # the claim every reducer holds this site's parts to
             with self.get_tensors() as (buffer,):
                 buffer.copy_(delta)
-            self._refusal.value = b""
-            self._refused_parts.value = b""
-            self._allreduce.zero_()
             offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
             shown = {"certificate": self._admission.certificate} if self._admission is not None else {}
             control = self.step(
                 gather={**gather, **shown, "slot": round_index, "wire_offer": offer, "norm": norm},
                 weight=max(float(weight), 1e-6),
                 timeout=2 * self._cfg.matchmaking_s,
-                # one attempt a round: a retried all-reduce would start from the buffer the failed one
-                # already coded (and a poisoner's already poisoned), and would report only its own
-                # failure, hiding the one that ended the round; the next round is the retry
+                # one attempt a round: a retried all-reduce would report only its own failure, hiding
+                # the one that ended the round; the next round is the retry
                 allow_retries=False,
                 wait=False,
             )
             self._matchmaking_fault(control)
-            result = control.result(timeout=self._round_bound_s())
+            report = control.result(timeout=self._round_bound_s())
+        except RoundFailed as e:  # the group formed, then the round failed: the report says how far it got
+            return self._failed(e.reason, started, e.report)
         except Exception as e:  # hivemind reports failures as several exception types
             if control is not None and not control.done():  # our wait ran out: the process is gone or stuck
                 control.cancel()
                 silent = f"the averager process did not answer in {self._round_bound_s():.0f} s"
                 return self._failed(silent, started)
-            return self._failed(self._why(f"{type(e).__name__}: {e}".strip(": ")), started)
-        if not result:
-            return self._failed(self._why("no group formed before the deadline"), started)
+            return self._failed(_describe(e), started)
+        if not isinstance(report, RoundReport) or not report.gathered:
+            return self._failed("no group formed before the deadline", started)
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
         if not torch.isfinite(averaged).all():
             return self._failed("averaged vector has NaN/Inf", started)
-        gathered = {str(peer): data for peer, data in result.items()}
+        gathered = report.gathered
         refused = screen_claims(gathered, self._cfg.max_norm_ratio)  # as every member computed it
         admitted = sorted(peer for peer in gathered if peer not in refused)
         poisoned = within_claims(averaged, [float(gathered[peer]["norm"]) for peer in admitted])
         if poisoned is not None:
-            return self._failed(poisoned, started)
-        refused.update(self._parts_refused())
-        allreduce_s, wire_bytes, chosen, _ = (float(v) for v in self._allreduce)
-        if allreduce_s > 0 and wire_bytes > 0:
-            self.measured_mbit = 8 * wire_bytes / allreduce_s / 1e6
+            return self._failed(poisoned, started, report)
+        refused.update(report.refused)
+        self.measured_mbit = report.mbit() or self.measured_mbit
         slots = [g.get("slot") for g in gathered.values() if isinstance(g, dict)]
         slots = [s for s in slots if isinstance(s, int)]
         return RoundOutcome(
@@ -228,9 +205,10 @@ class SwarmAverager(DecentralizedAverager):
             gathered=gathered,
             averaged=averaged,
             seconds=time.monotonic() - started,
-            wire=list(WIRE_FORMATS)[int(chosen)],  # as the averager process chose it for the group
+            wire=report.wire,  # as the averager process chose it for the group
             residual=self._residual.clone(),
-            allreduce_s=self._allreduce_seconds(),
+            allreduce_s=report.allreduce_s(),
+            report=report,
         )
 
     def _poison(self, coded: torch.Tensor, compression: CompressionBase) -> CompressionBase:
@@ -249,27 +227,18 @@ class SwarmAverager(DecentralizedAverager):
             coded.mul_(1000)
         return compression
 
-    def _parts_refused(self) -> dict[str, str]:
-        """Groupmates whose parts this site's reducer refused in the round just ended."""
-        raw = self._refused_parts.value
-        try:
-            return dict(json.loads(raw)) if raw else {}
-        except ValueError:  # cut off at the buffer's end: keep what names the peers
-            return {"(several peers)": raw.decode(errors="replace")[:200]}
-
     def _round_bound_s(self) -> float:
         """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
         return 2 * self._cfg.matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
 
-    def _failed(self, reason: str, started: float) -> RoundOutcome:
+    def _failed(self, reason: str, started: float, report: RoundReport | None = None) -> RoundOutcome:
         return RoundOutcome(
-            False, reason=reason, seconds=time.monotonic() - started, allreduce_s=self._allreduce_seconds()
+            False,
+            reason=reason,
+            seconds=time.monotonic() - started,
+            allreduce_s=report.allreduce_s() if report is not None else None,  # None: no group formed
+            report=report,
         )
-
-    def _allreduce_seconds(self) -> float | None:
-        """How long this attempt spent in its all-reduce, group formed to now (None: no group formed)."""
-        began = float(self._allreduce[3])
-        return time.monotonic() - began if began > 0 else None
 
     def _matchmaking_fault(self, control: Any) -> None:
         """The ``matchmaking`` fault point: fire once the averager is looking for this round's group."""
@@ -279,11 +248,6 @@ class SwarmAverager(DecentralizedAverager):
         while control.stage.value < AveragingStage.LOOKING_FOR_GROUP.value and time.monotonic() < deadline:
             time.sleep(0.005)
         self._faults.hit("matchmaking")
-
-    def _why(self, reason: str) -> str:
-        """A failure's reason; a refused group (wire format mismatch) is the reason that matters."""
-        refusal = self._refusal.value.decode(errors="replace")
-        return refusal or reason
 
     async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
         """Runs in the averager process: set this round's group key and expected group size."""
@@ -297,39 +261,59 @@ class SwarmAverager(DecentralizedAverager):
         except Exception as e:
             future.set_exception(e)
 
+    async def _aggregate_with_group(
+        self, group_info: Any, min_vector_size: int, **kwargs: Any
+    ) -> RoundReport:
+        """Runs in the averager process once a group has formed: hivemind's aggregation, bounded by the
+        all-reduce timeout, answered with the round's :class:`RoundReport` (a failure raises
+        :class:`RoundFailed` carrying it). Both reach the node through the step's own future."""
+        report = self._reports[group_info.group_id] = RoundReport()
+        try:
+            gathered = await asyncio.wait_for(
+                super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
+                timeout=self._cfg.allreduce_timeout_s,
+            )
+        except Exception as e:  # (a cancellation is not an Exception: it goes on as it is)
+            raise RoundFailed(report.refusal or _describe(e), report) from None
+        finally:
+            self._reports.pop(group_info.group_id, None)
+        report.gathered = {str(peer): data for peer, data in gathered.items()}
+        return report
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
-        """Runs in the averager process: hivemind's hook for one all-reduce, with the exact runner; the
-        tensors are *replaced* by the group's average (hivemind adds a difference to them)."""
+        """Runs in the averager process: hivemind's hook for one all-reduce, with the exact runner. The
+        tensors are *replaced* by the group's average (hivemind adds a difference to them), and only
+        when the all-reduce succeeded: a failed attempt leaves this site's update as it was."""
+        report = self._reports[group_info.group_id]
         group_id = group_info.group_id if group_id is None else group_id
-        self._allreduce[3] = time.monotonic()
         users = self._gathered_users(group_info)
         try:
             self._check_members(users)
             fmt = choose_wire(offers_of(users), sum(t.numel() for t in tensors))
         except (WireMismatch, CertificateError) as e:
             log.error("refusing to average with this group: %s", e)
-            self._refusal.value = f"refused a group: {e}".encode()[:1000]
+            report.refusal = f"refused a group: {e}"
             raise
-        kwargs.update(self._screened(group_info, users, kwargs["peer_fractions"]))
+        kwargs.update(self._screened(group_info, users, kwargs["peer_fractions"], report))
         # error feedback needs the residual of exactly what goes on the wire: code the whole vector
-        # once here (hivemind's parts start on block boundaries, so coding them again changes nothing)
+        # once here (hivemind's parts start on block boundaries, so coding them again changes nothing).
+        # The update itself stays as it was, so the residual of any attempt is its own
         started = time.monotonic()  # coding is part of the round's cost
         (flat,) = tensors
         coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
         torch.sub(flat, coded, out=self._residual)
-        flat.copy_(coded)
-        kwargs["compression"] = self._poison(flat, fmt.compression)
+        kwargs["compression"] = self._poison(coded, fmt.compression)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
-            tensors=tensors,
+            tensors=[coded],
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             faults=self._faults,
-            on_refused=self._refuse_part,
+            on_refused=functools.partial(self._refuse_part, report),
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)  # lets groupmates' part requests reach it
@@ -343,9 +327,9 @@ class SwarmAverager(DecentralizedAverager):
             log.warning("all-reduce with %s failed: %s", _names(users), e)
             raise
         n = len(group_info.peer_ids)
-        self._allreduce[0] = time.monotonic() - started
-        self._allreduce[1] = 2 * flat.numel() * fmt.nominal_bytes * (n - 1) / n
-        self._allreduce[2] = list(WIRE_FORMATS).index(fmt.name)
+        report.seconds = time.monotonic() - started
+        report.wire_bytes = 2 * flat.numel() * fmt.nominal_bytes * (n - 1) / n
+        report.wire = fmt.name
         for tensor, average in zip(tensors, averaged, strict=True):
             tensor.copy_(average)
         self.last_updated = get_dht_time()
@@ -372,16 +356,17 @@ class SwarmAverager(DecentralizedAverager):
             membership = self._admission.check(certificate, peer)
             self._certified[peer] = membership.expires
 
-    def _screened(self, group_info: Any, users: list[tuple[str, Any]], fractions: Sequence[float]) -> dict:
+    def _screened(
+        self, group_info: Any, users: list[tuple[str, Any]], fractions: Sequence[float], report: RoundReport
+    ) -> dict:
         """The all-reduce's modes, part fractions and claims after refusing poisoned updates: a refused
         member sends nothing and reduces nothing (see :mod:`greenswarm.averaging.screening`)."""
         claims = dict(users)
         refused = screen_claims(claims, self._cfg.max_norm_ratio)
         me = str(self.peer_id)
         if me in refused:
-            why = f"the group refused this site's update: {refused[me]}"
-            self._refusal.value = why.encode()[:1000]
-            raise ValueError(why)
+            report.refusal = f"the group refused this site's update: {refused[me]}"
+            raise ValueError(report.refusal)
         for peer, why in refused.items():
             log.warning("refusing the update of %s: %s", _name(peer, claims.get(peer)), why)
         # hivemind's own rule (a member with no share of the vector is a client), except that a
@@ -402,14 +387,12 @@ class SwarmAverager(DecentralizedAverager):
             },
         }
 
-    def _refuse_part(self, peer: str, why: str) -> None:
-        """This site's reducer refused a groupmate's part (averager process): log it, tell the node."""
+    def _refuse_part(self, report: RoundReport, peer: str, why: str) -> None:
+        """This site's reducer refused a groupmate's part (averager process): log it, report it."""
         log.warning("refused a part of %s's update: %s", peer, why)
         if peer == str(self.peer_id):  # the round's failure, in words (not the runner's exception)
-            self._refusal.value = f"this site's update was refused: {why}".encode()[:1000]
-        refused = self._parts_refused()
-        refused[peer] = why
-        self._refused_parts.value = json.dumps(refused).encode()[:4095]
+            report.refusal = f"this site's update was refused: {why}"
+        report.refused[peer] = why
 
     # ---- admission (averager process) ----
 
@@ -522,6 +505,11 @@ def _name(peer: str, user: Any) -> str:
     """A groupmate as people know it: its site name, and its peer id."""
     site = user.get("site") if isinstance(user, dict) else None
     return f"{site} ({peer})" if site else peer
+
+
+def _describe(error: BaseException) -> str:
+    """A failure as the round log shows it: the exception's type and message."""
+    return f"{type(error).__name__}: {error}".strip(": ")
 
 
 def _reason(error: Exception) -> str:
