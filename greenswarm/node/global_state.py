@@ -1,0 +1,98 @@
+"""A site's view of the global model: parameters, outer momentum, and where they sit in the swarm.
+
+Two threads touch it: the node's loop moves it (an applied round, an adopted state, a resume), and
+hivemind's state server reads it at any moment to serve a newcomer. Every read or write of more
+than one field takes :attr:`GlobalState.lock`, so a newcomer never receives the parameters of one
+outer step with the lineage of another, and a digest never hashes a half-applied step.
+
+*Where they sit* is three fields: the outer step count, the lineage (a hash chain of the rounds
+that led here, see :func:`~greenswarm.averaging.outer.next_lineage`) and the slot of the last round.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from greenswarm.averaging.agreement import state_digest
+from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
+from greenswarm.averaging.screening import update_norm
+from greenswarm.node.swarm_view import state_key
+
+
+class GlobalState:
+    """The outer optimizer and the global state's position, behind one lock."""
+
+    def __init__(self, outer: OuterOptimizer, site: str):
+        self.outer = outer
+        self.site = site  # named in what is served, so a newcomer can say whom it caught up with
+        self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
+        self.recent_update_norm = 0.0  # norm of the last update applied (the scale the group screens by)
+        self.lock = threading.Lock()
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The global parameters (flat fp32; the loop's thread alone writes them)."""
+        return self.outer.params
+
+    @property
+    def numel(self) -> int:
+        return self.outer.numel
+
+    def key(self) -> tuple[int, str]:
+        """This state's place in the total order of global states (see :func:`state_key`)."""
+        return state_key(self.outer_round, self.lineage)
+
+    def digest(self) -> str:
+        """A short digest of the global parameters, for logs and records."""
+        return self.outer.digest()
+
+    def pseudo_gradient(self, local: torch.Tensor) -> torch.Tensor:
+        """``global - local``: what local training moved since the last outer step."""
+        return self.outer.pseudo_gradient(local)
+
+    def agreement_digest(self, averaged: torch.Tensor) -> str:
+        """The digest a group compares: this state and the averaged step about to be applied to it."""
+        with self.lock:
+            return state_digest([*self.outer.state_tensors(), averaged])
+
+    def apply(self, averaged: torch.Tensor, slot: int, members: Sequence[str]) -> None:
+        """Take the outer step ``averaged`` that ``members`` (peer ids) agreed on in round ``slot``."""
+        with self.lock:
+            self.outer.step(averaged)
+            self.recent_update_norm = update_norm(averaged)
+            self.outer_round += 1
+            self.lineage = next_lineage(self.lineage, slot, members)
+            self.round_index = slot
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether downloaded state tensors have this model's shape (parameters and momentum)."""
+        return len(tensors) == 2 and all(t.numel() == self.numel for t in tensors)
+
+    def adopt(self, meta: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """Make a state this site's: a peer's served one (see :meth:`served`), or a checkpoint's
+        tensors with its :meth:`position`."""
+        with self.lock:
+            self.outer.load_state_tensors(tensors)
+            self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
+            self.round_index = int(meta["round_index"])
+
+    def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What this site serves to a newcomer (called on hivemind's thread)."""
+        with self.lock:
+            return self.position() | {"site": self.site}, self._copies()
+
+    def position(self) -> dict[str, Any]:
+        """Outer step, lineage and round slot, as checkpoints and served states carry them."""
+        return {"outer_round": self.outer_round, "lineage": self.lineage, "round_index": self.round_index}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Copies of the parameters and outer momentum, taken under the lock (for a checkpoint)."""
+        with self.lock:
+            return self._copies()
+
+    def _copies(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.outer.state_tensors()]

@@ -1,0 +1,158 @@
+"""Joining the swarm: check the membership certificate, decide how to be reached, start the DHT and
+the parts that talk through it (averager, swarm view, digest board, entry watch, progress records).
+
+Rank 0 only. :func:`join_swarm` returns every part in one :class:`SwarmParts`, and
+:meth:`SwarmParts.close` stops them in the right order (records, view, averager, then the DHT
+they all talk through), so the node holds no half-started swarm when something fails on the way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from greenswarm.averaging.agreement import DigestBoard
+from greenswarm.averaging.averager import StateProvider, SwarmAverager
+from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
+from greenswarm.faults import FaultPlan
+from greenswarm.network import relay_options, resolve_reachability, run_in_dht, start_dht
+from greenswarm.node.config import SiteConfig
+from greenswarm.node.progress import ProgressPublisher, live_members, record_validators
+from greenswarm.node.rejoin import EntryWatch
+from greenswarm.node.swarm_view import SwarmView
+from greenswarm.security.admission import Admission
+from greenswarm.timefmt import utc_minute
+
+#: wall seconds beyond a round's timeouts that its checkpoint and evaluation may take while the site's
+#: record is kept alive (past that, a loop that does not come back lets the record expire)
+KEEPALIVE_SLACK_S = 60.0
+
+
+@dataclass
+class SwarmParts:
+    """What a site runs to take part in the swarm (rank 0)."""
+
+    dht: Any
+    peer_id: str
+    averager: SwarmAverager
+    view: SwarmView
+    digests: DigestBoard
+    entry: EntryWatch
+    publisher: ProgressPublisher
+    reachability: str  # "direct" or "relay"
+    admission: Admission | None = None  # who may train with this site (None: anyone)
+
+    def connections(self, timeout_s: float = 2.0) -> dict[str, list[str]]:
+        """The peers this site's p2p daemon is connected to now, with the addresses it uses for each:
+        a site behind NAT shows ``/p2p-circuit`` addresses for every other site (it never dialled
+        one directly). Raises when the daemon does not answer in time."""
+        return run_in_dht(self.dht, _list_connections, timeout_s).result(timeout=timeout_s + 1.0)
+
+    def close(self, log: logging.Logger) -> None:
+        """Stop every part, records first and the DHT last; report failures and go on."""
+        for part in (self.publisher, self.view):
+            _quietly(part.close, part, log)
+        for part in (self.averager, self.dht):
+            _quietly(part.shutdown, part, log)
+
+
+def join_swarm(
+    cfg: SiteConfig, numel: int, served: StateProvider, faults: FaultPlan, log: logging.Logger
+) -> tuple[SwarmParts, Any]:
+    """Join the swarm of ``cfg`` with a global model of ``numel`` values; ``served`` is what this site
+    serves to newcomers. Returns the parts and the site's checked membership certificate (or None)."""
+    swarm = cfg.swarm
+    if swarm.identity:
+        load_or_create_identity(swarm.identity)
+    admission = membership = seed = None
+    if swarm.certificate:
+        membership = check_membership(cfg, log)
+        admission = Admission.from_files(swarm.name, swarm.authority, swarm.certificate)
+        seed = identity_seed(swarm.identity)
+    validators = record_validators(swarm.name, admission, seed)
+    reachability, why = resolve_reachability(swarm)
+    log.info("joining the swarm %s: %s", "through a relay" if reachability == "relay" else "directly", why)
+    reach: dict[str, Any] = {"announce_maddrs": swarm.announce_maddrs}
+    if reachability == "relay":
+        # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
+        # it for DHT queries cheaply, so it does not serve them)
+        reach = {**relay_options(swarm.initial_peers), "client_mode": True}
+    dht = start_dht(
+        swarm.initial_peers,
+        host_maddrs=swarm.host_maddrs,
+        identity_path=swarm.identity,
+        record_validators=validators,
+        **reach,
+    )
+    peer_id = dht.peer_id.to_base58()
+    averager = SwarmAverager(
+        dht,
+        f"{swarm.name}-avg",
+        numel,
+        cfg.averaging,
+        served,
+        faults=faults,
+        admission=admission,
+        members=functools.partial(live_members, dht, swarm.name),
+    )
+    parts = SwarmParts(
+        dht=dht,
+        peer_id=peer_id,
+        averager=averager,
+        view=SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s),
+        digests=DigestBoard(dht, swarm.name, peer_id),
+        entry=EntryWatch(dht, swarm.initial_peers, cfg.node.rejoin_s),
+        publisher=ProgressPublisher(
+            dht,
+            swarm.name,
+            validators,
+            cfg.node.progress_refresh_s,
+            cfg.node.progress_ttl_s,
+            # a round (or the checkpoint and evaluation after it) may hold the loop this long
+            keepalive_s=cfg.averaging.longest_round_s() + KEEPALIVE_SLACK_S,
+        ),
+        reachability=reachability,
+        admission=admission,
+    )
+    return parts, membership
+
+
+def check_membership(cfg: SiteConfig, log: logging.Logger) -> Any:
+    """Refuse to start with a certificate that is not this site's, this swarm's, or valid now; return
+    the checked membership."""
+    from greenswarm.bootstrap.identity import read_identity
+    from greenswarm.security.certificates import CertificateError, load_authority_public, verify
+
+    swarm = cfg.swarm
+    membership = verify(
+        swarm.certificate,
+        load_authority_public(swarm.authority),
+        swarm=swarm.name,
+        peer_id=read_identity(swarm.identity),
+    )
+    if (membership.site, membership.region) != (cfg.name, cfg.region):
+        raise CertificateError(
+            f"{swarm.certificate}: issued to site {membership.site!r} in {membership.region!r}, "
+            f"but this config is {cfg.name!r} in {cfg.region!r}"
+        )
+    log.info(
+        "admitted to swarm '%s' until %s (certificate %s)",
+        swarm.name,
+        utc_minute(membership.expires),
+        swarm.certificate,
+    )
+    return membership
+
+
+def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:
+    try:
+        stop()
+    except Exception as e:  # shutting down: report and go on with the rest
+        log.debug("shutdown of %s failed: %r", type(part).__name__, e)
+
+
+async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:
+    """Runs inside the DHT process (see :meth:`SwarmParts.connections`)."""
+    return {str(peer.peer_id): [str(a) for a in peer.addrs] for peer in await node.p2p.list_peers()}

@@ -1,0 +1,123 @@
+"""How a site ends a round: take the step alone (SOLO), or federate and act on the group's result.
+
+:class:`RoundHandler` is the node's side of a round. It gathers the site's parameters, turns them
+into a pseudo-gradient against the global state, and then either applies it alone or hands it to
+the :class:`~greenswarm.node.federation.Federation` and acts on the typed result: apply the agreed
+step, resynchronize to the majority's state, or keep local progress after a failed round. It counts
+what happened and returns a :class:`RoundEnd`; the node does what follows any new global model
+(checkpoint, evaluation, record) and writes the round log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from greenswarm.node.federation import Applied, Failed, Federation, Resync, RoundResult, site_of
+from greenswarm.node.global_state import GlobalState
+from greenswarm.node.ranks import SiteRanks
+from greenswarm.node.round_log import RoundEntry
+from greenswarm.node.site_stats import SiteStats
+from greenswarm.node.state_sync import StateSync
+
+
+@dataclass
+class RoundEnd:
+    """How one round ended at this site."""
+
+    action: str  # "apply" | "resync" | "fail" | "solo"
+    slot: int  # the round's slot (the group's, when one formed)
+    reason: str = ""  # why a round failed
+    result: RoundResult | None = None  # the federated round's result (None: SOLO)
+    moved: bool = False  # the global model changed: what follows a new global model is due
+
+    @property
+    def took_part(self) -> bool:
+        """Whether this site took part in an averaged round (see the ``after-rounds`` fault)."""
+        return self.moved and self.result is not None
+
+    def entry(self, state: GlobalState, site: str, blocked_s: float) -> RoundEntry:
+        """The round log's line for this round (``site``: this site's name)."""
+        outcome = self.result.outcome if self.result is not None else None
+        members = [site_of(outcome, p) for p in outcome.members] if outcome and outcome.ok else []
+        return RoundEntry(
+            slot=self.slot,
+            action=self.action,
+            outer_round=state.outer_round,
+            lineage=state.lineage,
+            digest=state.digest(),
+            members=sorted(members) or [site],
+            reason=self.reason,
+            refused={site_of(outcome, p): why for p, why in outcome.refused.items()} if outcome else {},
+            wire=outcome.wire if outcome else "",
+            round_s=outcome.seconds if outcome else None,
+            allreduce_s=outcome.allreduce_s if outcome else None,
+            agreement_s=self.result.agreement_s if self.result is not None else None,
+            blocked_s=blocked_s,
+        )
+
+
+class RoundHandler:
+    """Ends a site's rounds (see the module's docstring). ``peer_id`` names this site in a SOLO step."""
+
+    def __init__(
+        self,
+        state: GlobalState,
+        ranks: SiteRanks,
+        federation: Federation,
+        sync: StateSync,
+        stats: SiteStats,
+        peer_id: str,
+        log: logging.Logger | None = None,
+    ):
+        self.state, self.ranks, self.federation, self.sync = state, ranks, federation, sync
+        self.stats, self.counts, self.peer_id = stats, stats.counts, peer_id
+        self.log = log or logging.getLogger(__name__)
+
+    def end(self, federated: bool, slot: int, partners: Callable[[], int]) -> RoundEnd:
+        """End round ``slot``: alone, or (``federated``) with the ``partners()`` other sites in a
+        window, asked right before averaging."""
+        delta = self.state.pseudo_gradient(self.ranks.gather())
+        if not federated:
+            self._step(delta, slot, [self.peer_id])
+            return RoundEnd("solo", slot, moved=True)
+        result = self.federation.run(delta, self.state, slot, partners(), self.stats.tokens_since_sync)
+        self.counts["refused_updates"] += len(result.refused)
+        if isinstance(result, Applied):
+            self._step(result.averaged, result.slot, result.members)
+            return RoundEnd("apply", result.slot, result=result, moved=True)
+        if isinstance(result, Resync):
+            if self.sync.resync(result):
+                self.federation.keep_residual(result.outcome)
+                self.counts["resyncs"] += 1
+                self.stats.tokens_since_sync = 0  # this site's progress is in the majority's step
+                return RoundEnd("resync", result.slot, result=result, moved=True)
+            self.counts["failed_rounds"] += 1
+            return RoundEnd("fail", result.slot, "could not get the majority's state", result)
+        assert isinstance(result, Failed)
+        self.counts["failed_rounds"] += 1
+        self.log.warning(
+            "round %d: %s (%s); keeping local progress, retrying next round",
+            result.slot,
+            "averaging failed" if result.stage == "averaging" else "the group did not agree on the result",
+            result.reason,
+        )
+        return RoundEnd("fail", result.slot, result.reason, result)
+
+    def _step(self, averaged: torch.Tensor, slot: int, members: list[str]) -> None:
+        """Apply an outer step, load the new global parameters into every rank, and say so."""
+        self.state.apply(averaged, slot, members)
+        self.ranks.load(self.state.params)
+        self.stats.tokens_since_sync = 0
+        self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
+        self.log.info(
+            "round %d: outer step %d %s, loss %.3f, global digest %s",
+            slot,
+            self.state.outer_round,
+            f"averaged with {len(members) - 1} site(s)" if len(members) > 1 else "alone",
+            self.stats.loss or float("nan"),
+            self.state.digest(),
+        )

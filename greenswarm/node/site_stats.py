@@ -1,0 +1,54 @@
+"""A site's own counters: training progress, and how its rounds ended.
+
+They go into the checkpoint, so a restarted site goes on counting, and into its progress record and
+summary (:mod:`greenswarm.node.telemetry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from greenswarm.node.trainer import StepStats
+
+#: how a site's rounds ended, counted (all start at zero)
+COUNTERS = ("federated_rounds", "solo_rounds", "failed_rounds", "catch_ups", "resyncs", "refused_updates")
+
+
+@dataclass
+class SiteStats:
+    """A site's counters: training progress, and how its rounds ended (see ``COUNTERS``)."""
+
+    local_steps: int = 0
+    tokens: int = 0
+    tokens_since_sync: int = 0  # tokens trained since the last outer step (the round's weight)
+    loss: float | None = None  # exponential moving average of the training loss
+    # the first step's loss: where this site started, untrained or from the swarm's model it adopted
+    # on entering its first window (the EMA moves slowly away from it)
+    first_loss: float | None = None
+    first_step_s: float | None = None  # seconds from the node's start to its first step
+    eval_loss: float | None = None  # the global model's held-out loss at its last evaluation
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def add_step(self, step: StepStats) -> None:
+        self.local_steps += 1
+        self.tokens += step.tokens
+        self.tokens_since_sync += step.tokens
+        if self.first_loss is None:
+            self.first_loss = step.loss
+        self.loss = step.loss if self.loss is None else 0.9 * self.loss + 0.1 * step.loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the checkpoint keeps (its ``site`` entry, beside the global state's position)."""
+        return {
+            "local_steps": self.local_steps,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "first_loss": self.first_loss,
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, site: dict[str, Any]) -> None:
+        self.local_steps, self.tokens, self.loss = site["local_steps"], site["tokens"], site["loss"]
+        self.first_loss = site.get("first_loss")  # absent from checkpoints written before it was kept
+        self.counts.update(site["counts"])

@@ -1,0 +1,106 @@
+"""Taking another site's global state: catch-up, resync, and the adoption both end in.
+
+* **catch-up** -- a site entering a window (or starting a federated round) sees a live site with a
+  more advanced global state; it downloads that state and keeps its own local progress on top (its
+  progress since its last outer step is in nobody's state yet);
+* **resync** -- the group's digests showed that this site's round result differs from the
+  majority's; it downloads the majority's state *after* their step, which already contains this
+  site's pseudo-gradient, so its local progress is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from greenswarm.node.federation import Resync
+from greenswarm.node.global_state import GlobalState
+from greenswarm.node.ranks import SiteRanks
+from greenswarm.node.swarm_view import SwarmView, state_key
+
+#: (metadata, tensors) from the first of the given peers that served its state, or None
+Download = Callable[[Sequence[str]], tuple[dict[str, Any], list[torch.Tensor]] | None]
+
+
+class StateSync:
+    """Downloads and adopts other sites' global states for one site."""
+
+    def __init__(
+        self,
+        state: GlobalState,
+        ranks: SiteRanks,
+        download: Download,
+        stop: threading.Event,
+        timeout_s: float,
+        log: logging.Logger | None = None,
+        retry_s: float = 0.5,
+    ):
+        self.state, self.ranks, self.download = state, ranks, download
+        self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
+        self.log = log or logging.getLogger(__name__)
+
+    def catch_up(self, view: SwarmView, in_window_only: bool) -> bool:
+        """If a live site holds a more advanced global state, adopt it and keep local progress on top."""
+        head = view.head(in_window_only=in_window_only)
+        if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
+            return False
+        started = time.monotonic()
+        got = self.download(view.holders_of(head.outer_round, head.lineage))
+        if got is None:
+            self.log.warning(
+                "could not download the state of round %d from %s; training on", head.outer_round, head.site
+            )
+            return False
+        if not self.adopt(*got, keep_pending=True):
+            return False
+        self.log.info(
+            "caught up with %s: global state of outer step %d in %.2f s; local progress kept",
+            got[0].get("site", head.site),
+            self.state.outer_round,
+            time.monotonic() - started,
+        )
+        return True
+
+    def resync(self, result: Resync) -> bool:
+        """Take the majority's state after the step of ``result``'s round (this site's pseudo-gradient
+        is already in it, so local progress is not kept); False if none came within the timeout."""
+        self.log.warning("round %d: %s; resynchronizing from %s", result.slot, result.reason, result.holders)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.stop.is_set():
+            got = self.download(result.holders)
+            if (
+                got is not None
+                and got[0].get("lineage") == result.lineage
+                and self.adopt(*got, keep_pending=False)
+            ):
+                self.log.info(
+                    "round %d: resynchronized to outer step %d, global digest %s",
+                    result.slot,
+                    self.state.outer_round,
+                    self.state.digest(),
+                )
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.retry_s)  # the majority may not have applied its step yet
+        self.log.warning(
+            "round %d: could not get the majority's state; keeping local progress, catching up later",
+            result.slot,
+        )
+        return False
+
+    def adopt(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep_pending: bool) -> bool:
+        """Make a downloaded global state this site's; keep the local progress made since this site's
+        last outer step on top of it only when ``keep_pending`` (it is not yet in that state)."""
+        if not self.state.fits(tensors):
+            self.log.warning("%s served a state of the wrong shape; ignoring it", meta.get("site", "a peer"))
+            return False
+        pending = self.state.pseudo_gradient(self.ranks.gather()) if keep_pending else None
+        self.state.adopt(meta, tensors)
+        self.ranks.load(self.state.params if pending is None else self.state.params - pending)
+        return True

@@ -1,0 +1,107 @@
+"""What a site says about itself: its progress record, its log line and its summary.
+
+The site's own counters live in :class:`~greenswarm.node.site_stats.SiteStats`. The functions here
+read a running :class:`~greenswarm.node.site.SiteNode` and describe it: the signed progress record
+that other sites and ``greenswarm progress`` read, the periodic log line, and the summary written at
+the end of a run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Protocol
+
+from greenswarm.node.progress import ProgressRecord
+from greenswarm.scheduler.state import SiteState
+from greenswarm.timefmt import utc_minute
+
+
+class RunningSite(Protocol):
+    """What these functions read of a :class:`~greenswarm.node.site.SiteNode` (typed here, so that
+    describing the node does not import it)."""
+
+    cfg: Any
+    world: Any
+    clock: Any
+    schedule: Any
+    ledger: Any
+    state: SiteState
+    peer_id: str
+    stats: Any  # SiteStats
+    global_state: Any  # GlobalState
+    federation: Any  # Federation, once the site has joined
+    swarm: Any  # SwarmParts, once the site has joined
+    connections: dict[str, list[str]]
+
+
+def progress_record(node: RunningSite) -> ProgressRecord:
+    """The site's progress record, as the swarm reads it."""
+    now, stats, state = node.clock.now(), node.stats, node.global_state
+    window = node.schedule.current(now) if node.state is not SiteState.IDLE else None
+    return ProgressRecord(
+        site=node.cfg.name,
+        region=node.cfg.region,
+        state=node.state.value,
+        peer_id=node.peer_id,
+        outer_round=state.outer_round,
+        lineage=state.lineage,
+        round_index=state.round_index,
+        local_steps=stats.local_steps,
+        tokens=stats.tokens,
+        loss=None if stats.loss is None or not math.isfinite(stats.loss) else float(stats.loss),
+        window_end=float(window.end) if window else None,
+        energy_kwh=node.ledger.energy_kwh,
+        emissions_g=node.ledger.emissions_g,
+        clock_time=now,
+        wall_time=time.time(),
+        world_size=node.world.world_size,
+        wire=node.federation.wire if node.federation is not None and node.federation.wire else None,
+        refused=stats.counts["refused_updates"],
+    )
+
+
+def status_line(node: RunningSite) -> str:
+    """The periodic log line: state, clock, global step, training progress and energy."""
+    stats = node.stats
+    loss = "-" if stats.loss is None else f"{stats.loss:.3f}"
+    return (
+        f"{node.state.value} at {utc_minute(node.clock.now())}: outer step {node.global_state.outer_round}, "
+        f"{stats.local_steps} steps, {stats.tokens:,} tokens, loss {loss}, "
+        f"{node.ledger.energy_kwh:.3f} kWh, {node.ledger.emissions_g:.1f} gCO2"
+    )
+
+
+def summary(node: RunningSite) -> dict[str, Any]:
+    """The site's summary (``run_dir/summary.json`` and the node's last line of output)."""
+    stats, state, federation, swarm = node.stats, node.global_state, node.federation, node.swarm
+    rounds = sorted(federation.round_seconds) if federation else []
+    agreement = federation.agreement_seconds if federation else []
+    return {
+        "site": node.cfg.name,
+        "region": node.cfg.region,
+        "peer_id": node.peer_id,
+        "outer_round": state.outer_round,
+        "lineage": state.lineage,
+        "digest": state.digest(),
+        **stats.counts,
+        "local_steps": stats.local_steps,
+        "tokens": stats.tokens,
+        "loss": stats.loss,
+        "first_loss": stats.first_loss,
+        "eval_loss": stats.eval_loss,
+        "energy_kwh": node.ledger.energy_kwh,
+        "emissions_g": node.ledger.emissions_g,
+        "seconds_by_state": dict(node.ledger.seconds),
+        "first_step_s": stats.first_step_s,
+        "first_round_s": federation.first_round_s if federation else None,
+        "reachability": swarm.reachability if swarm else "direct",
+        "rejoins": swarm.entry.rejoins if swarm else 0,
+        "connections": node.connections,
+        "median_round_s": rounds[len(rounds) // 2] if rounds else None,
+        "wire_rounds": dict(federation.wire_rounds) if federation else {},
+        "measured_mbit": swarm.averager.measured_mbit if swarm else None,
+        "median_agreement_s": statistics.median(agreement) if agreement else None,
+        "world_size": node.world.world_size,
+    }

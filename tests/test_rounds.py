@@ -1,0 +1,357 @@
+"""A site's round, in-process: the federation's typed results and how the node acts on each of them.
+
+No swarm here: a fake averager returns the outcome a test names, a fake digest board publishes the
+digests a test names, and the ranks are a flat vector. Each branch of a round (apply, resync, fail,
+solo, catch-up) is driven directly and checked against the global state it must leave behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from greenswarm.averaging.config import AveragingConfig
+from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
+from greenswarm.averaging.round_report import RoundOutcome
+from greenswarm.faults import FaultPlan
+from greenswarm.node.federation import Applied, Failed, Federation, Resync
+from greenswarm.node.global_state import GlobalState
+from greenswarm.node.round_handling import RoundHandler
+from greenswarm.node.site_stats import SiteStats
+from greenswarm.node.state_sync import StateSync
+
+pytestmark = pytest.mark.rounds
+
+ME, B, C = "peer-me", "peer-b", "peer-c"
+N = 8  # values in the toy model
+
+
+class FakeAverager:
+    """Returns the outcomes it was given, one per round, and keeps what each round was asked."""
+
+    def __init__(self, *outcomes: RoundOutcome):
+        self.outcomes = list(outcomes)
+        self.calls: list[dict[str, Any]] = []
+        self.measured_mbit = None
+
+    def average(self, delta: torch.Tensor, **kwargs: Any) -> RoundOutcome:
+        self.calls.append({"delta": delta.clone(), **kwargs})
+        return self.outcomes.pop(0)
+
+
+@dataclass
+class FakeBoard:
+    """Publishes what ``votes(my_digest, members)`` says each member published."""
+
+    votes: Callable[[str, list[str]], dict[str, str]] = lambda mine, members: dict.fromkeys(members, mine)
+    heard_refused: dict[str, str] = field(default_factory=dict)
+    published: list[bool] = field(default_factory=list)
+
+    def exchange(self, round_index, lineage, members, digest, timeout_s, publish=True, refused=None):
+        self.published.append(publish)
+        return self.votes(digest, list(members))
+
+
+class FakeRanks:
+    """A site's ranks as one flat vector of "local parameters"."""
+
+    def __init__(self, local: torch.Tensor):
+        self.local = local.clone()
+        self.loads: list[torch.Tensor] = []
+
+    def gather(self) -> torch.Tensor:
+        return self.local.clone()
+
+    def load(self, flat: torch.Tensor) -> None:
+        self.local = flat.clone()
+        self.loads.append(flat.clone())
+
+
+def outcome(averaged: torch.Tensor, members: list[str] = (ME, B), slot: int = 7, **kw: Any) -> RoundOutcome:
+    members = list(members)
+    return RoundOutcome(
+        True,
+        members=members,
+        gathered={p: {"site": f"site-{p}"} for p in members},
+        averaged=averaged.clone(),
+        slot=slot,
+        wire="int8",
+        seconds=0.5,
+        allreduce_s=0.2,
+        **kw,
+    )
+
+
+def global_state(values: float = 1.0) -> GlobalState:
+    """FedAvg (lr 1, no momentum), so a step moves the global model by exactly the averaged vector."""
+    return GlobalState(OuterOptimizer.from_config(torch.full((N,), values), "fedavg", 1.0, 0.0, False), "me")
+
+
+def federation(
+    averager: FakeAverager, board: FakeBoard | None = None, faults: str = "", **cfg: Any
+) -> Federation:
+    config = AveragingConfig(agreement_timeout_s=0.5, **cfg)
+    return Federation(averager, board or FakeBoard(), config, "me", ME, FaultPlan.parse(faults))
+
+
+def handler(
+    fed: Federation,
+    state: GlobalState,
+    ranks: FakeRanks,
+    download: Any = None,
+    stats: SiteStats | None = None,
+) -> RoundHandler:
+    sync = StateSync(state, ranks, download or (lambda peers: None), threading.Event(), 0.3, retry_s=0.05)
+    return RoundHandler(state, ranks, fed, sync, stats or SiteStats(tokens_since_sync=100), ME)
+
+
+# ---------------------------------------------------------------------------------------- Federation
+
+
+def test_no_partner_fails_without_averaging() -> None:
+    averager = FakeAverager()
+    result = federation(averager).run(torch.ones(N), global_state(), slot=3, partners=0, tokens=10)
+    assert isinstance(result, Failed) and result.stage == "averaging"
+    assert "no other site" in result.reason and averager.calls == []
+
+
+def test_failed_averaging_is_failed_before_agreement() -> None:
+    board = FakeBoard()
+    fed = federation(FakeAverager(RoundOutcome(False, reason="no group formed", seconds=2.0)), board)
+    result = fed.run(torch.ones(N), global_state(), slot=3, partners=1, tokens=10)
+    assert isinstance(result, Failed) and result.stage == "averaging"
+    assert (result.reason, result.slot, result.agreement_s, result.round_s) == (
+        "no group formed",
+        3,
+        None,
+        2.0,
+    )
+    assert board.published == [] and fed.round_seconds == []
+
+
+def test_agreeing_group_applies_in_the_groups_slot() -> None:
+    averaged = torch.full((N,), 0.25)
+    averager = FakeAverager(outcome(averaged, members=[ME, B, C], slot=9))
+    fed = federation(averager)
+    state = global_state()
+    result = fed.run(torch.ones(N), state, slot=8, partners=2, tokens=64)
+    assert isinstance(result, Applied)
+    assert result.slot == 9 and result.members == [ME, B, C]
+    assert torch.equal(result.averaged, averaged)
+    assert result.agreement_s is not None and result.allreduce_s == 0.2
+    call = averager.calls[0]
+    assert (call["weight"], call["round_index"], call["lineage"], call["expected_size"]) == (
+        64,
+        8,
+        GENESIS,
+        3,
+    )
+    assert call["gather"] == {"site": "me", "tokens": 64, "outer_round": 0, "recent": 0.0}
+    assert fed.wire_rounds == {"int8": 1} and fed.round_seconds == [0.5]
+
+
+def test_majority_with_another_digest_resyncs_to_its_step() -> None:
+    def votes(mine: str, members: list[str]) -> dict[str, str]:
+        return {ME: mine, B: "theirs", C: "theirs"}
+
+    state = global_state()
+    fed = federation(FakeAverager(outcome(torch.zeros(N), members=[ME, B, C], slot=4)), FakeBoard(votes))
+    result = fed.run(torch.ones(N), state, slot=4, partners=2, tokens=1)
+    assert isinstance(result, Resync)
+    assert result.holders == [B, C]
+    assert result.lineage == next_lineage(GENESIS, 4, [ME, B, C])
+
+
+def test_no_majority_fails_in_agreement() -> None:
+    def votes(mine: str, members: list[str]) -> dict[str, str]:
+        return {ME: mine, B: "other"}  # C never answered: it counts against every digest
+
+    fed = federation(FakeAverager(outcome(torch.zeros(N), members=[ME, B, C])), FakeBoard(votes))
+    result = fed.run(torch.ones(N), global_state(), slot=7, partners=2, tokens=1)
+    assert isinstance(result, Failed) and result.stage == "agreement"
+    assert "no digest has a majority" in result.reason and result.agreement_s is not None
+
+
+def test_error_feedback_carries_the_residual_of_applied_rounds_only() -> None:
+    residual = torch.arange(N, dtype=torch.float32)
+    averager = FakeAverager(
+        outcome(torch.zeros(N), residual=residual.clone()),
+        RoundOutcome(False, reason="no group formed"),
+        outcome(torch.zeros(N), residual=torch.zeros(N)),
+    )
+    fed = federation(averager)
+    delta = torch.ones(N)
+    for _ in range(3):
+        fed.run(delta, global_state(), slot=1, partners=1, tokens=1)
+    sent = [call["delta"] for call in averager.calls]
+    assert torch.equal(sent[0], delta)  # nothing carried yet
+    assert torch.equal(sent[1], delta + residual)  # carried from the applied round
+    assert torch.equal(sent[2], delta + residual)  # a failed round changed nothing
+
+
+def test_refusals_heard_from_groupmates_join_the_result() -> None:
+    board = FakeBoard(heard_refused={C: "norm 1e6 is far outside the group's", ME: "ignored: about me"})
+    fed = federation(FakeAverager(outcome(torch.zeros(N), refused={B: "NaN"})), board)
+    result = fed.run(torch.ones(N), global_state(), slot=1, partners=2, tokens=1)
+    assert result.refused == {B: "NaN", C: "norm 1e6 is far outside the group's"}
+
+
+def test_corrupt_result_fault_is_exposed_by_the_digests() -> None:
+    """The fault changes this site's result after the all-reduce; the honest majority's digest (of the
+    real average) differs from it, so the site must resync instead of applying a wrong step."""
+    averaged = torch.full((N,), 0.5)
+    honest = global_state().agreement_digest(averaged)
+
+    def votes(mine: str, members: list[str]) -> dict[str, str]:
+        return {ME: mine, B: honest, C: honest}
+
+    fed = federation(
+        FakeAverager(outcome(averaged, members=[ME, B, C])), FakeBoard(votes), "corrupt-result@1"
+    )
+    assert isinstance(fed.run(torch.ones(N), global_state(), slot=1, partners=2, tokens=1), Resync)
+
+
+def test_withhold_digest_fault_reads_without_publishing() -> None:
+    board = FakeBoard()
+    fed = federation(FakeAverager(outcome(torch.zeros(N))), board, "withhold-digest@1")
+    fed.run(torch.ones(N), global_state(), slot=1, partners=1, tokens=1)
+    assert board.published == [False]
+
+
+# ---------------------------------------------------------------------------------------- the node's side
+
+
+def test_solo_round_takes_the_sites_own_step() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.75)), SiteStats(tokens_since_sync=5)
+    end = handler(federation(FakeAverager()), state, ranks, stats=stats).end(False, 6, lambda: 0)
+    assert (end.action, end.slot, end.moved, end.took_part) == ("solo", 6, True, False)
+    assert torch.equal(state.params, torch.full((N,), 0.75))  # FedAvg alone: global = local
+    assert (state.outer_round, state.round_index, state.lineage) == (1, 6, next_lineage(GENESIS, 6, [ME]))
+    assert torch.equal(ranks.loads[-1], state.params)
+    assert stats.counts["solo_rounds"] == 1 and stats.tokens_since_sync == 0
+
+
+def test_applied_round_moves_the_global_model_by_the_average() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=5)
+    averaged = torch.full((N,), 0.25)  # the group's mean pseudo-gradient, not this site's 0.5
+    fed = federation(FakeAverager(outcome(averaged, members=[ME, B], slot=11)))
+    end = handler(fed, state, ranks, stats=stats).end(True, 10, lambda: 1)
+    assert (end.action, end.slot, end.took_part) == ("apply", 11, True)
+    assert torch.equal(state.params, torch.full((N,), 0.75))
+    assert state.lineage == next_lineage(GENESIS, 11, [ME, B]) and state.round_index == 11
+    assert stats.counts["federated_rounds"] == 1 and stats.tokens_since_sync == 0
+    entry = end.entry(state, "me", blocked_s=1.0)
+    assert entry.members == ["site-peer-b", "site-peer-me"] and entry.action == "apply"
+
+
+def test_failed_round_keeps_local_progress() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=5)
+    fed = federation(FakeAverager(RoundOutcome(False, reason="no group formed")))
+    end = handler(fed, state, ranks, stats=stats).end(True, 10, lambda: 1)
+    assert (end.action, end.reason, end.moved) == ("fail", "no group formed", False)
+    assert torch.equal(state.params, torch.ones(N)) and state.outer_round == 0
+    assert ranks.loads == [] and torch.equal(ranks.local, torch.full((N,), 0.5))
+    assert stats.counts["failed_rounds"] == 1 and stats.tokens_since_sync == 5
+    assert end.entry(state, "me", blocked_s=1.0).members == ["me"]
+
+
+def _majority_elsewhere(mine: str, members: list[str]) -> dict[str, str]:
+    return {ME: mine, B: "theirs", C: "theirs"}
+
+
+def test_resync_takes_the_majoritys_state_and_drops_local_progress() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=5)
+    expected = next_lineage(GENESIS, 7, [ME, B, C])
+    theirs = torch.full((N,), 0.6)
+    served = {"site": "b", "outer_round": 1, "lineage": expected, "round_index": 7}
+    downloads: list[list[str]] = []
+
+    def download(peers: list[str]) -> tuple[dict, list[torch.Tensor]]:
+        downloads.append(list(peers))
+        return served, [theirs.clone(), torch.zeros(N)]
+
+    residual = torch.full((N,), 0.01)
+    fed = federation(FakeAverager(outcome(torch.zeros(N), members=[ME, B, C], residual=residual)))
+    fed.digests = FakeBoard(_majority_elsewhere)
+    end = handler(fed, state, ranks, download, stats).end(True, 7, lambda: 2)
+    assert (end.action, end.moved, end.took_part) == ("resync", True, True)
+    assert downloads == [[B, C]]
+    assert torch.equal(state.params, theirs) and state.lineage == expected
+    assert torch.equal(ranks.local, theirs)  # this site's pending progress is already in their step
+    assert stats.counts["resyncs"] == 1 and stats.tokens_since_sync == 0
+    assert torch.equal(fed.feedback, residual)
+
+
+def test_resync_that_gets_no_state_fails_and_keeps_progress() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=5)
+    stale = {"site": "b", "outer_round": 0, "lineage": GENESIS, "round_index": -1}  # not yet stepped
+    fed = federation(FakeAverager(outcome(torch.zeros(N), members=[ME, B, C])))
+    fed.digests = FakeBoard(_majority_elsewhere)
+    end = handler(fed, state, ranks, lambda peers: (stale, [torch.zeros(N), torch.zeros(N)]), stats).end(
+        True, 7, lambda: 2
+    )
+    assert (end.action, end.reason, end.moved) == ("fail", "could not get the majority's state", False)
+    assert torch.equal(state.params, torch.ones(N)) and ranks.loads == []
+    assert stats.counts["failed_rounds"] == 1 and stats.tokens_since_sync == 5
+
+
+# ---------------------------------------------------------------------------------------- state sync
+
+
+@dataclass
+class Head:
+    site: str
+    outer_round: int
+    lineage: str
+
+
+class FakeView:
+    def __init__(self, head: Head | None):
+        self._head = head
+
+    def head(self, in_window_only: bool = False) -> Head | None:
+        return self._head
+
+    def holders_of(self, outer_round: int, lineage: str) -> list[str]:
+        return [B]
+
+
+def test_catch_up_keeps_local_progress_on_top_of_the_adopted_state() -> None:
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.75))  # pending progress: -0.25
+    served = {"site": "b", "outer_round": 3, "lineage": "abc", "round_index": 9}
+    sync = StateSync(
+        state, ranks, lambda peers: (served, [torch.full((N,), 2.0), torch.zeros(N)]), threading.Event(), 1
+    )
+    assert sync.catch_up(FakeView(Head("b", 3, "abc")), in_window_only=False)
+    assert (state.outer_round, state.lineage, state.round_index) == (3, "abc", 9)
+    assert torch.equal(ranks.local, torch.full((N,), 1.75))
+
+
+def test_catch_up_ignores_a_head_that_is_not_ahead() -> None:
+    state, ranks = global_state(1.0), FakeRanks(torch.ones(N))
+    sync = StateSync(state, ranks, lambda peers: pytest.fail("downloaded"), threading.Event(), 1)
+    assert not sync.catch_up(FakeView(Head("b", 0, GENESIS)), in_window_only=True)
+    assert not sync.catch_up(FakeView(None), in_window_only=True)
+
+
+def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixture) -> None:
+    state, ranks = global_state(1.0), FakeRanks(torch.ones(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 1)
+    meta = {"site": "b", "outer_round": 3, "lineage": "abc", "round_index": 9}
+    with caplog.at_level(logging.WARNING):
+        assert not sync.adopt(meta, [torch.zeros(N + 1), torch.zeros(N + 1)], keep_pending=True)
+    assert state.outer_round == 0 and "wrong shape" in caplog.text
+
+
+def test_served_state_is_a_copy_with_its_position() -> None:
+    state = global_state(1.0)
+    meta, tensors = state.served()
+    assert meta == {"site": "me", "outer_round": 0, "lineage": GENESIS, "round_index": -1}
+    tensors[0].fill_(9.0)
+    assert torch.equal(state.params, torch.ones(N))
