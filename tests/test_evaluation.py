@@ -81,7 +81,9 @@ def run(best: BestCheckpoints, ckpt: Checkpointer, losses: dict[int, float]) -> 
     """Outer steps in order: checkpoint, then evaluate (as the node does) with the given loss."""
     for step, loss in losses.items():
         save(ckpt, step)
-        assert best.after_step(step, f"lin{step}", lambda loss=loss: loss) == loss or math.isnan(loss)
+        got = best.after_step(step, f"lin{step}", lambda loss=loss: loss)
+        # the evaluated loss comes back as it was, NaN included (NaN != NaN, so compare by kind)
+        assert (math.isnan(got) and math.isnan(loss)) if math.isnan(loss) else got == loss, (step, got, loss)
 
 
 def kept(run_dir: Path) -> dict[int, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -119,7 +121,16 @@ def test_next_lineage_ignores_member_order() -> None:
     a = next_lineage(GENESIS, 5, ["peerA", "peerB", "peerC"])
     b = next_lineage(GENESIS, 5, ["peerC", "peerA", "peerB"])
     assert a == b
-    assert len(a) == 16 and int(a, 16) >= 0
+
+
+def test_next_lineage_is_the_swarms_shared_format() -> None:
+    """Every site computes lineages alone, so the format is a protocol: a site that hashed anything
+    else (another separator, unsorted members, a longer digest) would never match its group again.
+    The value is sha256 over "parent|slot|sorted members", cut to 16 hex digits."""
+    members = ["peerB", "peerA"]
+    spec = hashlib.sha256(b"genesis|5|peerA|peerB").hexdigest()[:16]
+    assert next_lineage(GENESIS, 5, members) == spec
+    assert next_lineage(spec, 6, members) == hashlib.sha256(f"{spec}|6|peerA|peerB".encode()).hexdigest()[:16]
 
 
 def test_next_lineage_depends_on_everything() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -169,10 +170,19 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
 
     assert min(s["loss"] for s in summaries.values()) < LEARNED_LOSS, summaries
 
-    # wire formats: auto chose one per round (every averaged round has one), and records carry it
+    # wire formats: auto chose one for every round that averaged (applied or not), the summary counts
+    # exactly those, and every applied federated round names its format in the round log
+    wires = {"bf16", "int8", "int7-zstd"}
     for name in sites:
-        assert sum(summaries[name]["wire_rounds"].values()) >= summaries[name]["federated_rounds"]
-        assert set(summaries[name]["wire_rounds"]) <= {"bf16", "int8", "int7-zstd"}, summaries[name]
+        entries = read_rounds(tmp_path / name / "rounds.jsonl")
+        averaged = Counter(e["wire"] for e in entries if e["wire"])
+        assert dict(averaged) == summaries[name]["wire_rounds"] and set(averaged) <= wires, (
+            entries,
+            summaries,
+        )
+        applied = [e for e in entries if e["action"] == "apply" and len(e["members"]) > 1]
+        assert len(applied) == summaries[name]["federated_rounds"], (entries, summaries[name])
+        assert all(e["wire"] in wires for e in applied), applied
     assert all(r["wire"] in ("bf16", "int8", "int7-zstd", None) for r in listed)
 
     # the corrupted site noticed and took the majority's state, and the others never counted it
