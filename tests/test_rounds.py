@@ -355,3 +355,74 @@ def test_served_state_is_a_copy_with_its_position() -> None:
     assert meta == {"site": "me", "outer_round": 0, "lineage": GENESIS, "round_index": -1}
     tensors[0].fill_(9.0)
     assert torch.equal(state.params, torch.ones(N))
+
+
+# ---------------------------------------------------------------------------------------- a retried attempt
+
+
+def test_a_failed_attempt_leaves_the_update_and_a_retry_codes_it_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hivemind may run the all-reduce hook again in one step. The update buffer must still hold the
+    update then: if the failed attempt had left the coded vector there, the retry would code it again
+    and carry a residual of coded - coded = 0 into the next round (error feedback silently lost).
+
+    The averager's hook runs here in-process, with hivemind's runner replaced by one that fails its
+    first attempt and averages in its second (the group: this site and one other, int8 on the wire)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MSGPackSerializer
+
+    import greenswarm.averaging.averager as averager_module
+    from greenswarm.averaging.averager import SwarmAverager
+    from greenswarm.averaging.codecs import wire_format
+    from greenswarm.averaging.round_report import RoundReport
+    from greenswarm.averaging.wire import wire_offer
+
+    attempts: list[torch.Tensor] = []
+
+    class Runner:  # hivemind's AllReduceRunner, as far as the hook uses it
+        def __init__(self, tensors: list[torch.Tensor], **kwargs: Any):
+            self.tensors, self.modes = tensors, kwargs["modes"]
+            attempts.append(tensors[0].clone())  # what this attempt sends
+
+        async def _average(self):
+            if len(attempts) == 1:
+                raise RuntimeError("a reducer failed")
+            yield torch.full_like(self.tensors[0], 0.5)
+
+        def __aiter__(self):
+            return self._average()
+
+    monkeypatch.setattr(averager_module, "ExactAllReduceRunner", Runner)
+    me, other = PeerID(b"\x00\x24\x08\x01" + bytes(32)), PeerID(b"\x00\x24\x08\x01" + bytes([1] * 32))
+    avg = object.__new__(SwarmAverager)  # the hook's state only: no process, no DHT
+    avg._parent_pid = -1  # (hivemind's __del__ stops a process it started: there is none)
+    avg._cfg, avg._admission, avg._faults = AveragingConfig(wire="int8"), None, FaultPlan()
+    avg._residual, avg._reports, avg.prefix, avg._p2p = torch.zeros(N * 64), {}, "test", None
+    avg.dht, avg._state_updated = SimpleNamespace(peer_id=me), threading.Event()
+    offer = wire_offer("int8", None, 10.0)
+    gathered = [
+        MSGPackSerializer.dumps((1.0, 0, MSGPackSerializer.dumps({"wire_offer": offer, "norm": 1.0})))
+        for _ in (me, other)
+    ]
+    group = SimpleNamespace(group_id=b"group", peer_ids=[me, other], gathered=gathered)
+    update = torch.randn(N * 64, generator=torch.Generator().manual_seed(3))
+    flat = update.clone()
+    coded = wire_format("int8").roundtrip(update)
+    assert not torch.equal(coded, update)  # int8 leaves a residual to carry
+
+    async def attempt() -> None:
+        avg._reports[group.group_id] = RoundReport()
+        avg._running_groups = {group.group_id: asyncio.get_running_loop().create_future()}
+        await avg._run_allreduce_inplace_([flat], group, peer_fractions=(0.5, 0.5))
+
+    with pytest.raises(RuntimeError, match="a reducer failed"):
+        asyncio.run(attempt())
+    assert torch.equal(flat, update)  # the failed attempt left the update as it was
+    asyncio.run(attempt())
+    assert torch.equal(attempts[1], coded)  # the retry sent the update's code, not the code's code
+    assert torch.equal(avg._residual, update - coded)  # and carries the update's residual
+    assert torch.equal(flat, torch.full_like(flat, 0.5))  # then the buffer holds the group's average
