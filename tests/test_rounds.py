@@ -352,7 +352,7 @@ def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixtu
 def test_served_state_is_a_copy_with_its_position() -> None:
     state = global_state(1.0)
     meta, tensors = state.served()
-    assert meta == {"site": "me", "outer_round": 0, "lineage": GENESIS, "round_index": -1}
+    assert meta == {"site": "me", "outer_round": 0, "lineage": GENESIS, "round_index": -1, "ancestors": []}
     tensors[0].fill_(9.0)
     assert torch.equal(state.params, torch.ones(N))
 
@@ -426,3 +426,73 @@ def test_a_failed_attempt_leaves_the_update_and_a_retry_codes_it_afresh(
     assert torch.equal(attempts[1], coded)  # the retry sent the update's code, not the code's code
     assert torch.equal(avg._residual, update - coded)  # and carries the update's residual
     assert torch.equal(flat, torch.full_like(flat, 0.5))  # then the buffer holds the group's average
+
+
+# ---------------------------------------------------------------------------------------- split decisions
+
+
+def _no_majority_seen(mine: str, members: list[str]) -> dict[str, str]:
+    return {ME: mine}  # this site's agreement timed out before the others' digests reached it
+
+
+def _split_round(stats: SiteStats) -> tuple[GlobalState, FakeRanks, RoundHandler, torch.Tensor, str]:
+    """A three-site round that everyone averaged, B and C applied, and this site saw no majority of:
+    it keeps its local progress. Returns what the others hold afterwards (their state's parameters
+    and lineage) with this site's parts."""
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.5))  # this site's update: 0.5
+    averaged = torch.full((N,), 0.3)  # the group's mean update, this site's 0.5 in it
+    fed = federation(
+        FakeAverager(outcome(averaged, members=[ME, B, C], slot=7)), FakeBoard(_no_majority_seen)
+    )
+    theirs = torch.full((N,), 0.7)  # what B and C hold after applying it (FedAvg: 1.0 - 0.3)
+    handler_ = handler(fed, state, ranks, stats=stats)
+    return state, ranks, handler_, theirs, next_lineage(GENESIS, 7, [ME, B, C])
+
+
+def test_a_site_that_missed_the_majority_keeps_its_update_out_of_the_step_it_later_adopts() -> None:
+    """Its pseudo-gradient is already in the others' step: adopting that step (or one after it) with
+    its whole local progress on top would count it twice. Only the progress made since the round is
+    kept."""
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, theirs, lineage = _split_round(stats)
+    end = handler_.end(True, 7, lambda: 2)
+    assert (end.action, end.moved) == ("fail", False) and end.result.stage == "agreement"
+    assert torch.equal(ranks.local, torch.full((N,), 0.5))  # local progress kept, for now
+    ranks.local -= 0.1  # it trains on: progress since the round
+    # B and C took another step after that one (without this site): the state it catches up to
+    # descends from the round's step
+    later = next_lineage(lineage, 8, [B, C])
+    served = {
+        "site": "b",
+        "outer_round": 2,
+        "lineage": later,
+        "round_index": 8,
+        "ancestors": [GENESIS, lineage],
+    }
+    sync = handler_.sync
+    sync.download = lambda peers: (served, [theirs - 0.2, torch.zeros(N)])
+    assert sync.catch_up(FakeView(Head("b", 2, later)), in_window_only=True)
+    # the adopted parameters, minus only the 0.1 trained since the round (not 0.5 + 0.1)
+    torch.testing.assert_close(ranks.local, theirs - 0.2 - 0.1)
+
+
+def test_a_state_that_does_not_contain_the_round_gets_the_whole_local_progress() -> None:
+    """The others failed that round too and averaged a later one without this site: nothing of its
+    update is in their state, so all of its local progress is kept."""
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, theirs, lineage = _split_round(stats)
+    handler_.end(True, 7, lambda: 2)
+    other = next_lineage(GENESIS, 8, [B, C])
+    served = {"site": "b", "outer_round": 1, "lineage": other, "round_index": 8, "ancestors": [GENESIS]}
+    handler_.sync.download = lambda peers: (served, [torch.full((N,), 0.9), torch.zeros(N)])
+    assert handler_.sync.catch_up(FakeView(Head("b", 1, other)), in_window_only=True)
+    torch.testing.assert_close(ranks.local, torch.full((N,), 0.9) - 0.5)  # all 0.5 of its progress
+
+
+def test_served_state_names_its_ancestors() -> None:
+    state = global_state(1.0)
+    state.apply(torch.zeros(N), 3, [ME, B])
+    first = state.lineage
+    state.apply(torch.zeros(N), 4, [ME, B])
+    meta, _ = state.served()
+    assert meta["ancestors"] == [GENESIS, first] and state.descends_from(first)

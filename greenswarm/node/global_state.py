@@ -7,11 +7,14 @@ outer step with the lineage of another, and a digest never hashes a half-applied
 
 *Where they sit* is three fields: the outer step count, the lineage (a hash chain of the rounds
 that led here, see :func:`~greenswarm.averaging.outer.next_lineage`) and the slot of the last round.
+The state also keeps its last :data:`ANCESTORS` lineages and serves them, so a site that adopts it
+can tell whether a round it took part in is already in it (see :mod:`greenswarm.node.state_sync`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +25,9 @@ from greenswarm.averaging.outer import GENESIS, OuterOptimizer, next_lineage
 from greenswarm.averaging.screening import update_norm
 from greenswarm.node.swarm_view import state_key
 
+#: how many earlier lineages a state keeps and serves (rounds are minutes apart: this covers hours)
+ANCESTORS = 64
+
 
 class GlobalState:
     """The outer optimizer and the global state's position, behind one lock."""
@@ -31,6 +37,7 @@ class GlobalState:
         self.site = site  # named in what is served, so a newcomer can say whom it caught up with
         self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
         self.recent_update_norm = 0.0  # norm of the last update applied (the scale the group screens by)
+        self.ancestors: deque[str] = deque(maxlen=ANCESTORS)  # earlier lineages, oldest first
         self.lock = threading.Lock()
 
     @property
@@ -41,6 +48,10 @@ class GlobalState:
     @property
     def numel(self) -> int:
         return self.outer.numel
+
+    def descends_from(self, lineage: str) -> bool:
+        """Whether ``lineage`` is this state's or one of its (kept) ancestors'."""
+        return lineage == self.lineage or lineage in self.ancestors
 
     def key(self) -> tuple[int, str]:
         """This state's place in the total order of global states (see :func:`state_key`)."""
@@ -65,6 +76,7 @@ class GlobalState:
             self.outer.step(averaged)
             self.recent_update_norm = update_norm(averaged)
             self.outer_round += 1
+            self.ancestors.append(self.lineage)
             self.lineage = next_lineage(self.lineage, slot, members)
             self.round_index = slot
 
@@ -79,11 +91,13 @@ class GlobalState:
             self.outer.load_state_tensors(tensors)
             self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
             self.round_index = int(meta["round_index"])
+            # a peer running an older greenswarm serves none; a checkpoint keeps none
+            self.ancestors = deque((str(a) for a in meta.get("ancestors", ())), maxlen=ANCESTORS)
 
     def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What this site serves to a newcomer (called on hivemind's thread)."""
         with self.lock:
-            return self.position() | {"site": self.site}, self._copies()
+            return self.position() | {"site": self.site, "ancestors": list(self.ancestors)}, self._copies()
 
     def position(self) -> dict[str, Any]:
         """Outer step, lineage and round slot, as checkpoints and served states carry them."""

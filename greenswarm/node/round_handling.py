@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from greenswarm.averaging.outer import next_lineage
 from greenswarm.node.federation import Applied, Failed, Federation, Resync, RoundResult, site_of
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.ranks import SiteRanks
@@ -96,9 +97,13 @@ class RoundHandler:
                 self.stats.tokens_since_sync = 0  # this site's progress is in the majority's step
                 return RoundEnd("resync", result.slot, result=result, moved=True)
             self.counts["failed_rounds"] += 1
+            self.sync.maybe_applied(result.slot, result.lineage, delta)  # the majority did apply it
             return RoundEnd("fail", result.slot, "could not get the majority's state", result)
         assert isinstance(result, Failed)
         self.counts["failed_rounds"] += 1
+        if result.stage == "agreement":  # everyone averaged: the others may apply what this site did not
+            after = next_lineage(self.state.lineage, result.slot, result.outcome.members)
+            self.sync.maybe_applied(result.slot, after, delta)
         self.log.warning(
             "round %d: %s (%s); keeping local progress, retrying next round",
             result.slot,
@@ -110,6 +115,7 @@ class RoundHandler:
     def _step(self, averaged: torch.Tensor, slot: int, members: list[str]) -> None:
         """Apply an outer step, load the new global parameters into every rank, and say so."""
         self.state.apply(averaged, slot, members)
+        self.sync.moved()
         self.ranks.load(self.state.params)
         self.stats.tokens_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1

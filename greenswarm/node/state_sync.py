@@ -6,6 +6,15 @@
 * **resync** -- the group's digests showed that this site's round result differs from the
   majority's; it downloads the majority's state *after* their step, which already contains this
   site's pseudo-gradient, so its local progress is dropped.
+
+A split decision: every member of a group averaged, but this site saw no majority of digests before
+its agreement timeout and kept its local progress, while the others saw one and applied the step --
+which contains this site's pseudo-gradient. Its local progress then holds that pseudo-gradient
+*and* the swarm's state does. So the site remembers such a round (:meth:`StateSync.maybe_applied`):
+when it later adopts a state that descends from the round's step (its lineage, or one of the
+ancestors the state carries), it keeps only the progress made after the round on top of it; the
+pseudo-gradient it sent is not counted twice. A state that does not descend from it (the others
+failed the round too, or averaged later rounds without this site) gets the whole local progress.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +35,15 @@ from greenswarm.node.swarm_view import SwarmView, state_key
 
 #: (metadata, tensors) from the first of the given peers that served its state, or None
 Download = Callable[[Sequence[str]], tuple[dict[str, Any], list[torch.Tensor]] | None]
+
+
+@dataclass
+class PendingRound:
+    """A round this site averaged in but did not apply: the others may have."""
+
+    slot: int
+    lineage: str  # the lineage of the state after that round's step
+    delta: torch.Tensor  # the pseudo-gradient this site sent (relative to its state then)
 
 
 class StateSync:
@@ -43,6 +62,17 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
+        self.pending_round: PendingRound | None = None
+
+    def maybe_applied(self, slot: int, lineage: str, delta: torch.Tensor) -> None:
+        """Remember a round whose step others may have applied with this site's ``delta`` in it
+        (``lineage``: the state's lineage after that step)."""
+        self.pending_round = PendingRound(slot, lineage, delta.clone())
+
+    def moved(self) -> None:
+        """This site's global state moved by a step of its own: a remembered round is moot (adopting a
+        state that descends from it replaces that step, and the progress in it, altogether)."""
+        self.pending_round = None
 
     def catch_up(self, view: SwarmView, in_window_only: bool) -> bool:
         """If a live site holds a more advanced global state, adopt it and keep local progress on top."""
@@ -102,5 +132,15 @@ class StateSync:
             return False
         pending = self.state.pseudo_gradient(self.ranks.gather()) if keep_pending else None
         self.state.adopt(meta, tensors)
+        held = self.pending_round
+        self.pending_round = None
+        if pending is not None and held is not None and self.state.descends_from(held.lineage):
+            pending -= held.delta  # already in the adopted state: keep only what came after the round
+            self.log.info(
+                "the state of outer step %d contains round %d, whose result this site did not apply: its "
+                "update in that round is not counted twice",
+                self.state.outer_round,
+                held.slot,
+            )
         self.ranks.load(self.state.params if pending is None else self.state.params - pending)
         return True
