@@ -15,6 +15,9 @@ Behavioural faults, ``POINT@N``:
 * ``poison-nan`` / ``poison-scale`` -- send NaN, or 1000x this site's pseudo-gradient, in place of
   it, while claiming the clean one's norm: a broken or malicious member. The group's reducers must
   refuse it before it is averaged (docs/security.md).
+* ``poison-part`` -- send 1000x the second half of this site's pseudo-gradient (the first half
+  clean) while claiming the clean norm: the reducers of the clean half accept their parts, the others
+  refuse theirs. No member may apply that round (the refusing reducers void it for everyone).
 
 Process faults, ``ACTION:POINT@N`` with ACTION ``kill`` (SIGKILL) or ``stop`` (SIGSTOP), applied to
 the *whole site* at once -- the node, its hivemind processes and their p2pd daemons -- as when a
@@ -53,7 +56,7 @@ from greenswarm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV = "GREENSWARM_FAULTS"
-BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale")
+BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale", "poison-part")
 PROCESS_POINTS = ("step", "matchmaking", "allreduce", "checkpoint", "serve-state")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -231,15 +231,19 @@ def test_an_outsider_cannot_join_download_or_publish(swarm: dict[str, Peer], tmp
 
 @pytest.mark.parametrize(
     ("swarm", "poison"),
-    [("poison-nan@1", "nan"), ("poison-scale@1", "scale"), ("", "honest-nan")],
-    ids=["nan-claiming-clean", "1000x-claiming-clean", "nan-claimed"],
+    [("poison-nan@1", "nan"), ("poison-scale@1", "scale"), ("poison-part@1", "part"), ("", "honest-nan")],
+    ids=["nan-claiming-clean", "1000x-claiming-clean", "half-1000x-claiming-clean", "nan-claimed"],
     indirect=["swarm"],
 )
-def test_a_poisoned_update_is_refused_before_it_is_averaged(
+def test_a_poisoned_update_is_averaged_in_nowhere(
     swarm: dict[str, Peer], poison: str, tmp_path: Path
 ) -> None:
-    """The others end with exactly the average of their own updates, whether the poisoner says its
-    update is NaN (refused by every member from its claim) or lies about it (refused by reducers)."""
+    """A member that says its update is NaN is left out by every member from its claim: the others end
+    with exactly the average of their own updates. A member that lies about its update has parts
+    refused by the reducers that see the poison, and a refused part voids the round for every member:
+    its earlier parts, and its clean parts in other reducers' slices, would otherwise be in the
+    average the others apply. The half-poisoned update is the case that shows it: the reducers of
+    its clean half see nothing wrong."""
     a, b, p = swarm["a"], swarm["b"], swarm["p"]
     deltas = _deltas(1, 3)
     expected = _reference(swarm, deltas[:2], "l0")
@@ -247,17 +251,29 @@ def test_a_poisoned_update_is_refused_before_it_is_averaged(
         deltas[2] = torch.full((NUMEL,), float("nan"))
 
     got = _round([a, b, p], deltas, "l1")
-    assert got[0].ok and got[1].ok, (got[0].reason, got[1].reason)
-    for outcome in got[:2]:
-        assert torch.isfinite(outcome.averaged).all()
-        assert torch.equal(outcome.averaged, expected), "the poisoned update changed the others' result"
     assert not got[2].ok
     if poison == "honest-nan":  # refused from its claim by every member: not a member of the round
+        assert got[0].ok and got[1].ok, (got[0].reason, got[1].reason)
+        for outcome in got[:2]:
+            assert torch.equal(outcome.averaged, expected), "the poisoned update changed the others' result"
         assert all(p.peer_id in o.refused for o in got[:2]), [o.refused for o in got[:2]]
         assert got[0].members == got[1].members == sorted([a.peer_id, b.peer_id])
         assert "the group refused this site's update: its update has NaN/Inf values" in got[2].reason
-    else:  # refused part by part, by the members that reduced a slice of it
-        assert f"refused a part of {p.peer_id}'s update" in (tmp_path / "peers.log").read_text()
+        return
+    # refused part by part, by the members that reduced a poisoned slice: nobody applies the round
+    assert not got[0].ok and not got[1].ok, (got[0].reason, got[1].reason)
+    for outcome in got[:2]:
+        assert outcome.averaged is None
+        assert f"refused a part of {p.peer_id}'s update" in outcome.reason, outcome.reason
+        assert p.peer_id in outcome.refused, outcome.refused  # every member counts the refusal
+    assert f"refused a part of {p.peer_id}'s update" in (tmp_path / "peers.log").read_text()
+
+    # the next round (p clean again) averages all three as usual
+    again = _round([a, b, p], _deltas(2, 3), "l2")
+    assert all(o.ok for o in again), [o.reason for o in again]
+    assert (
+        again[0].members == again[1].members == again[2].members == sorted([a.peer_id, b.peer_id, p.peer_id])
+    )
 
 
 def _record(peer: Peer) -> ProgressRecord:

@@ -212,12 +212,14 @@ class SwarmAverager(DecentralizedAverager):
         )
 
     def _poison(self, coded: torch.Tensor, compression: CompressionBase) -> CompressionBase:
-        """The ``poison-nan`` and ``poison-scale`` faults (averager process): what goes on the wire
-        becomes NaN, or 1000x the update, after the clean update's norm was claimed -- what a
+        """The ``poison-nan``, ``poison-scale`` and ``poison-part`` faults (averager process): what goes on
+        the wire becomes NaN, 1000x the update, or 1000x its second half, after the clean update's
+        norm was claimed -- what a
         malicious member would send. Returns the codec to send with: greenswarm's own formats refuse
         to encode NaN, so a NaN poisoner sends through :class:`CarriesNaN`, as a hand-written peer
         would (without it, the poisoner's sends fail and its groupmates never see the poison)."""
-        nan, scale = self._faults.fires("poison-nan"), self._faults.fires("poison-scale")  # count both
+        nan, scale = self._faults.fires("poison-nan"), self._faults.fires("poison-scale")  # count all
+        part = self._faults.fires("poison-part")
         if nan:
             log.warning("fault injected: poison-nan (this site sends NaN as its update)")
             coded.fill_(float("nan"))
@@ -225,6 +227,9 @@ class SwarmAverager(DecentralizedAverager):
         if scale:
             log.warning("fault injected: poison-scale (this site sends 1000x its update)")
             coded.mul_(1000)
+        if part:  # the first half stays clean: the reducers of that slice see nothing wrong with it
+            log.warning("fault injected: poison-part (this site sends 1000x the second half of its update)")
+            coded[coded.numel() // 2 :].mul_(1000)
         return compression
 
     def _round_bound_s(self) -> float:
@@ -238,6 +243,9 @@ class SwarmAverager(DecentralizedAverager):
             seconds=time.monotonic() - started,
             allreduce_s=report.allreduce_s() if report is not None else None,  # None: no group formed
             report=report,
+            # whose update a reducer refused (a void round), and the names to say it with
+            refused=dict(report.refused) if report is not None else {},
+            gathered=dict(report.gathered) if report is not None else {},
         )
 
     def _matchmaking_fault(self, control: Any) -> None:
@@ -289,6 +297,7 @@ class SwarmAverager(DecentralizedAverager):
         report = self._reports[group_info.group_id]
         group_id = group_info.group_id if group_id is None else group_id
         users = self._gathered_users(group_info)
+        report.gathered = {peer: user for peer, user in users if user is not None}
         try:
             self._check_members(users)
             fmt = choose_wire(offers_of(users), sum(t.numel() for t in tensors))

@@ -15,6 +15,11 @@ own values. Two things follow, and both make sites drift apart silently:
   its own part the same encode-decode round trip of it, so every member decodes identical bytes;
 * a part whose reducer failed is a failed round: the runner raises after the parts are in, instead of
   handing back a vector that mixes averaged and local slices;
+* a reducer that refuses any part of a sender's update (:mod:`greenswarm.averaging.screening`)
+  voids its whole slice: every sender gets, in place of its next averaged part, a message naming the
+  refused sender, and every member's round fails. A refusal can only drop a sender from then on, in
+  the refusing reducer's slice; the sender's earlier parts there, and its parts in other reducers'
+  slices, would otherwise stay in an average that the honest members apply;
 * the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
   the stream open until then. hivemind's reducer closes its end right after its last reply, and the
   p2p daemon then now and then resets the stream before that reply is delivered (roughly one stream
@@ -36,7 +41,7 @@ import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
@@ -68,6 +73,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._claims = claims or {}
         self._on_refused = on_refused or (lambda peer, why: None)
         self._own_refusal: str | None = None  # this site's own part failed its claim: its round fails
+        # (refused sender, refusing reducer) once any reducer refused a part: the round is void everywhere
+        self._void: tuple[PeerID, PeerID] | None = None
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
@@ -96,6 +103,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self.tensor_part_reducer.finished.wait()
         if self._own_refusal is not None:
             raise AllreduceException(f"this site's own update was refused: {self._own_refusal}")
+        if self._void is not None:
+            sender, reducer = self._void
+            who = "this site" if reducer == self.peer_id else str(reducer)
+            raise AllreduceException(
+                f"{who} refused a part of {sender}'s update: the round is void for every member"
+            )
         failed = self.tensor_part_container.failed_size
         if failed:
             total = self.tensor_part_container.total_size
@@ -115,6 +128,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if refusal is not None:  # this site reduces the others' parts, but adds nothing of its own
                 self._own_refusal = refusal
                 self._on_refused(str(self.peer_id), f"(this site's own part) {refusal}")
+                self._voided(self.peer_id)
                 part, weight = torch.zeros_like(part), 0.0
             reducer = self.tensor_part_reducer
             averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
@@ -141,6 +155,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await done_sending.wait()
             received = 0
             async for message in aiter_with_timeout(stream, self.reducer_timeout):
+                if message.code == averaging_pb2.PROTOCOL_VIOLATION and message.peer_id:  # a voided slice
+                    sender = PeerID(message.peer_id)
+                    self._void = self._void or (sender, peer_id)
+                    self._on_refused(str(sender), f"{peer_id}'s reducer refused a part of its update")
+                    raise AllreduceException(f"{peer_id} refused a part of {sender}'s update")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     code = averaging_pb2.MessageCode.Name(message.code)
                     raise AllreduceException(f"{peer_id} sent {code}")
@@ -167,17 +186,28 @@ class ExactAllReduceRunner(AllReduceRunner):
         for a client-mode sender hivemind accumulates in a task of its own that the close never
         reaches, so a linger there would wait out its whole limit. (``typing.AsyncIterator``, not
         ``collections.abc``'s: hivemind reads these hints to register the handler as streaming.)"""
-        replies = 0
+        replies, voided = 0, False
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
             replies += message.code == averaging_pb2.AVERAGED_PART
-        if replies and replies == self.tensor_part_reducer.num_parts:
-            await self._linger()
+            voided = voided or message.code == averaging_pb2.PROTOCOL_VIOLATION
+        if voided or (replies and replies == self.tensor_part_reducer.num_parts):
+            await self._linger()  # (a void slice's message must reach the sender as surely as a part)
 
     async def _linger(self) -> None:
         """Hold a reducer's stream open after its last reply, until the sender closes it (which cancels
         this handler) or the limit passes: closing first can lose that reply on the wire."""
         await asyncio.sleep(self.reducer_timeout or LINGER_LIMIT_S)
+
+    def _voided(self, sender: PeerID) -> None:
+        """This reducer refused a part of ``sender``'s update: its slice is void (see the module)."""
+        if self._void is None:
+            self._void = (sender, self.peer_id)
+
+    def _void_message(self) -> averaging_pb2.AveragingData:
+        """What a sender gets in place of an averaged part of a void slice: the refused sender's id."""
+        sender, _reducer = self._void
+        return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION, peer_id=sender.to_bytes())
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
@@ -187,14 +217,19 @@ class ExactAllReduceRunner(AllReduceRunner):
             async for message in stream:
                 part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
                 refusal = screen_part(part, self._claims.get(sender))
-                if refusal is not None:  # never accumulated; the sender is dropped from this reducer
+                if refusal is not None:  # never accumulated; and nobody gets this slice any more
                     self._on_refused(str(sender), refusal)
+                    self._voided(sender)
+                    yield self._void_message()
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=message.weight
                     )
                 except BannedException:  # the sender was banned meanwhile: it no longer gets results
+                    break
+                if self._void is not None:  # another sender's part was refused: the slice is void
+                    yield self._void_message()
                     break
                 if part_index == 0:
                     self._faults.hit("allreduce")  # mid all-reduce: a groupmate's part is in this reducer

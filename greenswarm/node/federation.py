@@ -155,8 +155,8 @@ class Federation:
         )
         for peer, why in outcome.refused.items():
             self._note_refusal(outcome, slot, peer, why)
-        if not outcome.ok:
-            return Failed(slot, outcome.reason, outcome)
+        if not outcome.ok:  # (a round a reducer voided still names whose update it refused)
+            return Failed(slot, outcome.reason, outcome, refused=dict(outcome.refused))
         self._count(outcome)
         slot = outcome.slot  # the group's slot: names the round the same for every member
         verdict, agreement_s = self._agree(outcome, delta, state, slot)
