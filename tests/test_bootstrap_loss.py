@@ -4,6 +4,7 @@ after the restart -- same identity, same address -- every site is listed again."
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -24,14 +25,16 @@ def _averaged(swarm: Swarm, name: str) -> int:
 def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path) -> None:
     listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     peers = swarm.bootstrap("bootstrap", listen=listen, key="boot.key")
-    trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 5}, step_s=3600)  # 5 h, always green
+    # always green, and longer than the scenario ever takes (40 h: 480 s at 300x): the sites train until
+    # the test has seen what it waits for and stops them, however slow the machine is
+    trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 40}, step_s=3600)
     start = tmp_path / "start"
     sites = ["site-a", "site-b"]
     for i, name in enumerate(sites):
         cfg = site_config(name, "GREEN", trace, peers, tmp_path / name, speedup=300.0, start_file=start,
                           sync_s=900.0, shard=i, shards=2, node={"rejoin_s": 2.0})  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
-    swarm.start_replay(sites, start)  # the 60 s replay is all for the scenario, however slow the start
+    swarm.start_replay(sites, start)
     wait_until(lambda: all(_averaged(swarm, n) >= 1 for n in sites), 90, "a first averaged round")
 
     swarm.kill("bootstrap", signal.SIGKILL)  # the entry point is gone, daemon and all
@@ -50,12 +53,14 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
         listed = json.loads(out.stdout) if out.returncode == 0 else []
         return sorted(r["site"] for r in listed) == sites
 
-    try:
-        wait_until(both_listed, 40, "both sites listed through the restarted bootstrap")
+    try:  # (each try is a new `greenswarm progress`: seconds apiece on a loaded machine)
+        wait_until(both_listed, 90, "both sites listed through the restarted bootstrap")
     except AssertionError as e:
         raise AssertionError(f"{e} (last listed: {listed})") from None
     for name in sites:
-        assert swarm.wait(name, timeout=120) == 0, swarm.log(name)[-3000:]
+        os.kill(swarm.procs[name].pid, signal.SIGTERM)  # `kill PID`: a clean stop, summary written
+    for name in sites:
+        assert swarm.wait(name, timeout=120) in (0, 130), swarm.log(name)[-3000:]
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["federated_rounds"] >= at_kill[name] + 2, summary
         assert summary["failed_rounds"] <= 2, summary  # rounds around the kill may fail, and say so
