@@ -496,3 +496,197 @@ def test_served_state_names_its_ancestors() -> None:
     state.apply(torch.zeros(N), 4, [ME, B])
     meta, _ = state.served()
     assert meta["ancestors"] == [GENESIS, first] and state.descends_from(first)
+
+
+def _failed_after_sending(residual: torch.Tensor | None = None) -> RoundOutcome:
+    """This site's all-reduce failed after the group formed (and, likely, after it sent its parts)."""
+    members = [ME, B, C]
+    return RoundOutcome(
+        False,
+        reason="the all-reduce timed out after 30 s",
+        members=members,
+        gathered={p: {"site": f"site-{p}"} for p in members},
+        slot=7,
+        residual=residual,
+    )
+
+
+def _served_after(lineage: str, params: torch.Tensor) -> Any:
+    """A download that serves the others' state one step past the round of ``lineage``."""
+    later = next_lineage(lineage, 8, [B, C])
+    meta = {
+        "site": "b",
+        "outer_round": 2,
+        "lineage": later,
+        "round_index": 8,
+        "ancestors": [GENESIS, lineage],
+    }
+    return (lambda peers: (meta, [params.clone(), torch.zeros(N)])), Head("b", 2, later)
+
+
+def test_a_site_whose_all_reduce_failed_after_sending_is_settled_when_it_adopts_the_step() -> None:
+    """Not only a failed agreement: a site whose own all-reduce failed once its group formed may also
+    have its update in a step the others applied. When it adopts a state holding that step, its
+    update, its tokens and the feedback it sent are the swarm's: only what came after is its own, and
+    the round's coding residual is the feedback it carries on."""
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.5))
+    stats = SiteStats(tokens_since_sync=40)
+    residual = torch.full((N,), 0.01)
+    fed = federation(FakeAverager(_failed_after_sending(residual)))
+    fed.feedback = torch.full((N,), 0.02)  # carried into (and sent with) the failed round
+    handler_ = handler(fed, state, ranks, stats=stats)
+    end = handler_.end(True, 7, lambda: 2)
+    assert (end.action, end.result.stage, end.slot) == ("fail", "averaging", 7)
+    assert handler_.sync.pending_round is not None and handler_.sync.pending_round.tokens == 40
+    ranks.local -= 0.1  # it trains on: 10 more tokens
+    stats.tokens_since_sync += 10
+    lineage = next_lineage(GENESIS, 7, [ME, B, C])
+    handler_.sync.download, head = _served_after(lineage, torch.full((N,), 0.6))
+    assert handler_.sync.catch_up(FakeView(head), in_window_only=True)
+    torch.testing.assert_close(ranks.local, torch.full((N,), 0.5))  # 0.6 - only the 0.1 since
+    assert stats.tokens_since_sync == 10  # the round's 40 tokens are in the swarm's step
+    assert torch.equal(fed.feedback, residual)  # not the 0.02 it already sent
+    assert handler_.sync.pending_round is None
+
+
+def test_a_round_that_failed_before_a_group_formed_is_not_remembered() -> None:
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.5))
+    handler_ = handler(federation(FakeAverager(RoundOutcome(False, reason="no group formed"))), state, ranks)
+    handler_.end(True, 7, lambda: 2)
+    assert handler_.sync.pending_round is None and not handler_.catch_up_due(False)
+
+
+def test_a_site_that_remembers_a_round_catches_up_before_a_solo_step() -> None:
+    """Alone in a window after a split round, the site must not step on its own old state: that step
+    would fork the swarm's lineage and carry its update in the round a second time. It catches up
+    first, and its SOLO step then descends from the others' step."""
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, theirs, lineage = _split_round(stats)
+    handler_.end(True, 7, lambda: 2)
+    assert handler_.catch_up_due(federated=False)  # the rule the node follows before every round
+    ranks.local -= 0.1
+    handler_.sync.download, head = _served_after(lineage, theirs - 0.2)
+    assert handler_.sync.catch_up(FakeView(head), in_window_only=False)
+    end = handler_.end(False, 9, lambda: 0)
+    assert end.action == "solo" and not handler_.catch_up_due(federated=False)
+    assert state.descends_from(lineage) and state.outer_round == 3
+    torch.testing.assert_close(state.params, theirs - 0.2 - 0.1)  # FedAvg alone: global = local
+
+
+def test_a_refusal_of_this_sites_own_update_is_not_counted_as_a_groupmates(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    refused = {ME: "part 3 far outside the claimed norm", C: "NaN"}
+    failed = RoundOutcome(False, reason="this site's update was refused", refused=refused, members=[B])
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=5)
+    with caplog.at_level(logging.WARNING):
+        handler_ = handler(federation(FakeAverager(failed)), state, ranks, stats=stats)
+        end = handler_.end(True, 7, lambda: 2)
+    assert end.result.refused == {C: "NaN"} and stats.counts["refused_updates"] == 1
+    # its update is in no step the others may take: there is nothing to remember
+    assert handler_.sync.pending_round is None
+    assert "refused the update of peer-me" not in caplog.text
+    assert "this site's update was refused: part 3" in caplog.text
+    assert end.entry(state, "me", blocked_s=1.0).refused == {"peer-c": "NaN"}
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {"kwh": 1.5}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+class _SavingRanks(FakeRanks):
+    def save(self) -> dict[str, Any]:
+        return {"local": self.local.clone()}
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        self.local = payload["local"].clone()
+
+
+def test_a_restarted_site_remembers_the_round_and_the_ancestors(tmp_path) -> None:
+    """A restart between a split round and the catch-up must not forget either half of the rule: the
+    remembered round (from the checkpoint) and the ancestors the state names (what a later site
+    downloading it checks against)."""
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.site_checkpoints import SiteCheckpoints
+
+    cfg = load_site_config(None, ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}"])
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, theirs, lineage = _split_round(stats)
+    state.apply(torch.zeros(N), 3, [ME, B])  # a step before: an ancestor to keep
+    first = state.lineage
+    ranks = _SavingRanks(ranks.local)
+    handler_.sync.ranks = handler_.ranks = ranks
+    handler_.end(True, 7, lambda: 2)
+    held = handler_.sync.pending_round
+    SiteCheckpoints(cfg, FaultPlan(), ranks, state, handler_.sync, stats, _Ledger()).save()
+
+    state2, ranks2, stats2 = global_state(0.0), _SavingRanks(torch.zeros(N)), SiteStats()
+    sync2 = StateSync(state2, ranks2, lambda peers: None, threading.Event(), 0.3)
+    assert SiteCheckpoints(cfg, FaultPlan(), ranks2, state2, sync2, stats2, _Ledger()).resume()
+    assert state2.ancestors == state.ancestors and state2.descends_from(GENESIS) and state2.lineage == first
+    pending = sync2.pending_round
+    assert (pending.slot, pending.lineage, pending.tokens) == (held.slot, held.lineage, held.tokens)
+    assert torch.equal(pending.delta, held.delta) and stats2.tokens_since_sync == 5
+
+
+def test_joining_that_fails_halfway_stops_what_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part that fails to start (here the swarm view) must not leave the DHT and its daemon, or the
+    averager process, running behind the error."""
+    import greenswarm.node.joining as joining
+    from greenswarm.node.config import load_site_config
+
+    stopped: list[str] = []
+
+    class Part:
+        def __init__(self, name: str):
+            self.name = name
+            self.peer_id = type("P", (), {"to_base58": lambda self: "peer-x"})()
+
+        def shutdown(self) -> None:
+            stopped.append(self.name)
+
+    def no_view(*args: Any, **kwargs: Any) -> None:
+        raise OSError("the view could not start")
+
+    monkeypatch.setattr(joining, "resolve_reachability", lambda swarm: ("direct", "test"))
+    monkeypatch.setattr(joining, "start_dht", lambda *a, **k: Part("dht"))
+    monkeypatch.setattr(joining, "SwarmAverager", lambda *a, **k: Part("averager"))
+    monkeypatch.setattr(joining, "SwarmView", no_view)
+    cfg = load_site_config(None, ["name=me", "region=CAISO_NORTH"])
+    with pytest.raises(OSError, match="the view could not start"):
+        joining.join_swarm(cfg, N, lambda: ({}, []), FaultPlan(), logging.getLogger("test"))
+    assert stopped == ["averager", "dht"]
+
+
+def test_an_all_reduce_that_runs_out_of_time_says_so() -> None:
+    """The round log's reason for a timed-out all-reduce names the timeout (not a bare 'TimeoutError')."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.averaging import DecentralizedAverager
+
+    from greenswarm.averaging import averager as averager_module
+    from greenswarm.averaging.averager import SwarmAverager
+    from greenswarm.averaging.round_report import RoundFailed
+
+    async def forever(self: Any, group_info: Any, min_vector_size: int, **kwargs: Any) -> None:
+        await asyncio.sleep(60)
+
+    avg = object.__new__(SwarmAverager)
+    avg._parent_pid = -1
+    avg._cfg, avg._reports = AveragingConfig(allreduce_timeout_s=0.05), {}
+    original = DecentralizedAverager._aggregate_with_group
+    DecentralizedAverager._aggregate_with_group = forever
+    try:
+        with pytest.raises(RoundFailed, match="the all-reduce timed out after 0.05 s"):
+            asyncio.run(avg._aggregate_with_group(SimpleNamespace(group_id=b"g"), 0))
+    finally:
+        DecentralizedAverager._aggregate_with_group = original
+    assert averager_module._describe(TimeoutError()) == "timed out"

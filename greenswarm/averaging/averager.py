@@ -174,7 +174,7 @@ class SwarmAverager(DecentralizedAverager):
             self._matchmaking_fault(control)
             report = control.result(timeout=self._round_bound_s())
         except RoundFailed as e:  # the group formed, then the round failed: the report says how far it got
-            return self._failed(e.reason, started, e.report)
+            return self._failed(e.reason, started, e.report, round_index)
         except Exception as e:  # hivemind reports failures as several exception types
             if control is not None and not control.done():  # our wait ran out: the process is gone or stuck
                 control.cancel()
@@ -186,20 +186,17 @@ class SwarmAverager(DecentralizedAverager):
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
         if not torch.isfinite(averaged).all():
-            return self._failed("averaged vector has NaN/Inf", started)
+            return self._failed("averaged vector has NaN/Inf", started, report, round_index)
         gathered = report.gathered
-        refused = screen_claims(gathered, self._cfg.max_norm_ratio)  # as every member computed it
-        admitted = sorted(peer for peer in gathered if peer not in refused)
+        slot, admitted, refused = self._group_of(gathered, round_index)
         poisoned = within_claims(averaged, [float(gathered[peer]["norm"]) for peer in admitted])
         if poisoned is not None:
-            return self._failed(poisoned, started, report)
+            return self._failed(poisoned, started, report, round_index)
         refused.update(report.refused)
         self.measured_mbit = report.mbit() or self.measured_mbit
-        slots = [g.get("slot") for g in gathered.values() if isinstance(g, dict)]
-        slots = [s for s in slots if isinstance(s, int)]
         return RoundOutcome(
             True,
-            slot=max(slots, default=round_index),
+            slot=slot,
             members=admitted,
             refused=refused,
             gathered=gathered,
@@ -236,17 +233,35 @@ class SwarmAverager(DecentralizedAverager):
         """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
         return 2 * self._cfg.matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
 
-    def _failed(self, reason: str, started: float, report: RoundReport | None = None) -> RoundOutcome:
-        return RoundOutcome(
+    def _group_of(self, gathered: dict[str, Any], round_index: int) -> tuple[int, list[str], dict[str, str]]:
+        """The group's slot (the latest of its members'), its admitted members and the updates every
+        member refused by their claims -- computed alike by every member from the gathered metadata."""
+        refused = screen_claims(gathered, self._cfg.max_norm_ratio)
+        admitted = sorted(peer for peer in gathered if peer not in refused)
+        slots = [g.get("slot") for g in gathered.values() if isinstance(g, dict)]
+        return max((s for s in slots if isinstance(s, int)), default=round_index), admitted, refused
+
+    def _failed(
+        self, reason: str, started: float, report: RoundReport | None = None, round_index: int = -1
+    ) -> RoundOutcome:
+        """A failed round. One whose group formed names its slot and members as an applied one would:
+        this site failed, but the others may have applied the step (see
+        :meth:`greenswarm.node.state_sync.StateSync.maybe_applied`)."""
+        failed = RoundOutcome(
             False,
             reason=reason,
             seconds=time.monotonic() - started,
             allreduce_s=report.allreduce_s() if report is not None else None,  # None: no group formed
             report=report,
-            # whose update a reducer refused (a void round), and the names to say it with
-            refused=dict(report.refused) if report is not None else {},
-            gathered=dict(report.gathered) if report is not None else {},
         )
+        if report is None or not report.gathered:
+            return failed
+        failed.slot, failed.members, _ = self._group_of(report.gathered, round_index)
+        failed.gathered = dict(report.gathered)
+        failed.refused = dict(report.refused)  # whose update a reducer refused (a void round)
+        if report.coded:  # what went on the wire, had the others applied it
+            failed.residual = self._residual.clone()
+        return failed
 
     def _matchmaking_fault(self, control: Any) -> None:
         """The ``matchmaking`` fault point: fire once the averager is looking for this round's group."""
@@ -281,6 +296,9 @@ class SwarmAverager(DecentralizedAverager):
                 super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
                 timeout=self._cfg.allreduce_timeout_s,
             )
+        except TimeoutError:
+            reason = report.refusal or f"the all-reduce timed out after {self._cfg.allreduce_timeout_s:g} s"
+            raise RoundFailed(reason, report) from None
         except Exception as e:  # (a cancellation is not an Exception: it goes on as it is)
             raise RoundFailed(report.refusal or _describe(e), report) from None
         finally:
@@ -313,6 +331,7 @@ class SwarmAverager(DecentralizedAverager):
         (flat,) = tensors
         coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
         torch.sub(flat, coded, out=self._residual)
+        report.coded = True
         kwargs["compression"] = self._poison(coded, fmt.compression)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
@@ -517,7 +536,9 @@ def _name(peer: str, user: Any) -> str:
 
 
 def _describe(error: BaseException) -> str:
-    """A failure as the round log shows it: the exception's type and message."""
+    """A failure as the round log shows it: the exception's type and message (a bare timeout says so)."""
+    if isinstance(error, TimeoutError) and not str(error):
+        return "timed out"
     return f"{type(error).__name__}: {error}".strip(": ")
 
 

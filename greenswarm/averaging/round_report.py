@@ -30,6 +30,7 @@ class RoundReport:
     wire_bytes: float = 0.0  # what this site sent and received, nominally
     refused: dict[str, str] = field(default_factory=dict)  # groupmates whose parts this reducer refused
     refusal: str = ""  # why this site refused the group, or why the group refused this site's update
+    coded: bool = False  # this site's update was coded for the wire (its residual is this round's)
 
     def allreduce_s(self) -> float:
         """Seconds from the group forming to now."""

@@ -153,14 +153,15 @@ class Federation:
                 "recent": state.recent_update_norm,  # the scale the group screens updates against
             },
         )
+        if outcome.members:
+            slot = outcome.slot  # the group's slot: names the round the same for every member
         for peer, why in outcome.refused.items():
             self._note_refusal(outcome, slot, peer, why)
         if not outcome.ok:  # (a round a reducer voided still names whose update it refused)
-            return Failed(slot, outcome.reason, outcome, refused=dict(outcome.refused))
+            return Failed(slot, outcome.reason, outcome, refused=self._refused(outcome))
         self._count(outcome)
-        slot = outcome.slot  # the group's slot: names the round the same for every member
         verdict, agreement_s = self._agree(outcome, delta, state, slot)
-        refused = dict(outcome.refused)
+        refused = self._refused(outcome)
         if verdict.action == "resync":
             lineage = next_lineage(state.lineage, slot, outcome.members)
             return Resync(slot, verdict.reason, outcome, agreement_s, refused, verdict.holders, lineage)
@@ -173,6 +174,22 @@ class Federation:
         """The round's result is this site's now: carry what coding left out of it into the next."""
         if self.feedback is not None and outcome.residual is not None:
             self.feedback.copy_(outcome.residual)
+
+    def settle_residual(self, residual: torch.Tensor | None) -> None:
+        """A round this site failed turned out applied by the others (see
+        :class:`~greenswarm.node.state_sync.PendingRound`): what it sent then -- its update and the
+        feedback carried in it -- is in the swarm's state, so only that round's residual carries on
+        (none when the round failed before coding: nothing left out is known, so nothing is carried)."""
+        if self.feedback is None:
+            return
+        if residual is None:
+            self.feedback.zero_()
+        else:
+            self.feedback.copy_(residual)
+
+    def _refused(self, outcome: RoundOutcome) -> dict[str, str]:
+        """Groupmates whose updates the round refused (this site's own refusal is the round's reason)."""
+        return {peer: why for peer, why in outcome.refused.items() if peer != self.peer_id}
 
     def _with_feedback(self, delta: torch.Tensor) -> torch.Tensor:
         if not self.cfg.error_feedback:
@@ -190,8 +207,11 @@ class Federation:
             self.log.info("first averaging round completed %.1f s after start", self.first_round_s)
 
     def _note_refusal(self, outcome: RoundOutcome, slot: int, peer: str, why: str) -> None:
-        """A groupmate's update was refused before it was averaged: say so."""
-        self.log.warning("round %d: refused the update of %s: %s", slot, site_of(outcome, peer), why)
+        """A groupmate's update was refused before it was averaged (or this site's was): say so."""
+        if peer == self.peer_id:
+            self.log.warning("round %d: this site's update was refused: %s", slot, why)
+        else:
+            self.log.warning("round %d: refused the update of %s: %s", slot, site_of(outcome, peer), why)
 
     def _agree(
         self, outcome: RoundOutcome, delta: torch.Tensor, state: GlobalState, slot: int

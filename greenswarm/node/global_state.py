@@ -91,17 +91,22 @@ class GlobalState:
             self.outer.load_state_tensors(tensors)
             self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
             self.round_index = int(meta["round_index"])
-            # a peer running an older greenswarm serves none; a checkpoint keeps none
+            # a peer running an older greenswarm serves none, an older checkpoint keeps none
             self.ancestors = deque((str(a) for a in meta.get("ancestors", ())), maxlen=ANCESTORS)
 
     def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What this site serves to a newcomer (called on hivemind's thread)."""
         with self.lock:
-            return self.position() | {"site": self.site, "ancestors": list(self.ancestors)}, self._copies()
+            return self.position() | {"site": self.site}, self._copies()
 
     def position(self) -> dict[str, Any]:
-        """Outer step, lineage and round slot, as checkpoints and served states carry them."""
-        return {"outer_round": self.outer_round, "lineage": self.lineage, "round_index": self.round_index}
+        """Outer step, lineage, round slot and kept ancestors, as checkpoints and served states carry them."""
+        return {
+            "outer_round": self.outer_round,
+            "lineage": self.lineage,
+            "round_index": self.round_index,
+            "ancestors": list(self.ancestors),
+        }
 
     def tensors(self) -> list[torch.Tensor]:
         """Copies of the parameters and outer momentum, taken under the lock (for a checkpoint)."""

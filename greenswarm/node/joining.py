@@ -50,6 +50,15 @@ class SwarmParts:
         one directly). Raises when the daemon does not answer in time."""
         return run_in_dht(self.dht, _list_connections, timeout_s).result(timeout=timeout_s + 1.0)
 
+    def connections_or(self, previous: dict[str, list[str]], log: logging.Logger) -> dict[str, list[str]]:
+        """:meth:`connections`, or ``previous`` when the daemon does not answer: a diagnostic must
+        never stall a round or a stop."""
+        try:
+            return self.connections()
+        except Exception as err:
+            log.debug("cannot list connections: %r", err)
+            return previous
+
     def close(self, log: logging.Logger) -> None:
         """Stop every part, records first and the DHT last; report failures and go on."""
         for part in (self.publisher, self.view):
@@ -86,25 +95,23 @@ def join_swarm(
         record_validators=validators,
         **reach,
     )
-    peer_id = dht.peer_id.to_base58()
-    averager = SwarmAverager(
-        dht,
-        f"{swarm.name}-avg",
-        numel,
-        cfg.averaging,
-        served,
-        faults=faults,
-        admission=admission,
-        members=functools.partial(live_members, dht, swarm.name),
-    )
-    parts = SwarmParts(
-        dht=dht,
-        peer_id=peer_id,
-        averager=averager,
-        view=SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s),
-        digests=DigestBoard(dht, swarm.name, peer_id),
-        entry=EntryWatch(dht, swarm.initial_peers, cfg.node.rejoin_s),
-        publisher=ProgressPublisher(
+    started: list[tuple[Any, str]] = [(dht, "shutdown")]  # stopped in reverse if a later part fails
+    try:
+        peer_id = dht.peer_id.to_base58()
+        averager = SwarmAverager(
+            dht,
+            f"{swarm.name}-avg",
+            numel,
+            cfg.averaging,
+            served,
+            faults=faults,
+            admission=admission,
+            members=functools.partial(live_members, dht, swarm.name),
+        )
+        started.append((averager, "shutdown"))
+        view = SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s)
+        started.append((view, "close"))
+        publisher = ProgressPublisher(
             dht,
             swarm.name,
             validators,
@@ -112,10 +119,23 @@ def join_swarm(
             cfg.node.progress_ttl_s,
             # a round (or the checkpoint and evaluation after it) may hold the loop this long
             keepalive_s=cfg.averaging.longest_round_s() + KEEPALIVE_SLACK_S,
-        ),
-        reachability=reachability,
-        admission=admission,
-    )
+        )
+        started.append((publisher, "close"))
+        parts = SwarmParts(
+            dht=dht,
+            peer_id=peer_id,
+            averager=averager,
+            view=view,
+            digests=DigestBoard(dht, swarm.name, peer_id),
+            entry=EntryWatch(dht, swarm.initial_peers, cfg.node.rejoin_s),
+            publisher=publisher,
+            reachability=reachability,
+            admission=admission,
+        )
+    except BaseException:  # a half-joined site must not leave a DHT, daemon or averager process behind
+        for part, stop in reversed(started):
+            _quietly(getattr(part, stop), part, log)
+        raise
     return parts, membership
 
 

@@ -22,7 +22,7 @@ from greenswarm.node.global_state import GlobalState
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_log import RoundEntry
 from greenswarm.node.site_stats import SiteStats
-from greenswarm.node.state_sync import StateSync
+from greenswarm.node.state_sync import PendingRound, StateSync
 
 
 @dataclass
@@ -52,7 +52,7 @@ class RoundEnd:
             digest=state.digest(),
             members=sorted(members) or [site],
             reason=self.reason,
-            refused={site_of(outcome, p): why for p, why in outcome.refused.items()} if outcome else {},
+            refused={site_of(outcome, p): why for p, why in self.result.refused.items()} if outcome else {},
             wire=outcome.wire if outcome else "",
             round_s=outcome.seconds if outcome else None,
             allreduce_s=outcome.allreduce_s if outcome else None,
@@ -77,6 +77,14 @@ class RoundHandler:
         self.state, self.ranks, self.federation, self.sync = state, ranks, federation, sync
         self.stats, self.counts, self.peer_id = stats, stats.counts, peer_id
         self.log = log or logging.getLogger(__name__)
+        sync.on_settled = self._settled
+
+    def catch_up_due(self, federated: bool) -> bool:
+        """Whether the site must catch up with the swarm's head before ending this round: always
+        before averaging (a group matches only sites on the same state), and before a SOLO step while
+        a round this site did not apply may have been applied by the others (its own step would fork
+        the lineage and carry its update in that round a second time)."""
+        return federated or self.sync.pending_round is not None
 
     def end(self, federated: bool, slot: int, partners: Callable[[], int]) -> RoundEnd:
         """End round ``slot``: alone, or (``federated``) with the ``partners()`` other sites in a
@@ -85,7 +93,8 @@ class RoundHandler:
         if not federated:
             self._step(delta, slot, [self.peer_id])
             return RoundEnd("solo", slot, moved=True)
-        result = self.federation.run(delta, self.state, slot, partners(), self.stats.tokens_since_sync)
+        tokens = self.stats.tokens_since_sync
+        result = self.federation.run(delta, self.state, slot, partners(), tokens)
         self.counts["refused_updates"] += len(result.refused)
         if isinstance(result, Applied):
             self._step(result.averaged, result.slot, result.members)
@@ -97,13 +106,14 @@ class RoundHandler:
                 self.stats.tokens_since_sync = 0  # this site's progress is in the majority's step
                 return RoundEnd("resync", result.slot, result=result, moved=True)
             self.counts["failed_rounds"] += 1
-            self.sync.maybe_applied(result.slot, result.lineage, delta)  # the majority did apply it
+            residual = result.outcome.residual  # the majority did apply it
+            self.sync.maybe_applied(result.slot, result.lineage, delta, tokens, residual)
             return RoundEnd("fail", result.slot, "could not get the majority's state", result)
         assert isinstance(result, Failed)
         self.counts["failed_rounds"] += 1
-        if result.stage == "agreement":  # everyone averaged: the others may apply what this site did not
+        if self.peer_id in result.outcome.members:  # its update went in: the others may apply it
             after = next_lineage(self.state.lineage, result.slot, result.outcome.members)
-            self.sync.maybe_applied(result.slot, after, delta)
+            self.sync.maybe_applied(result.slot, after, delta, tokens, result.outcome.residual)
         self.log.warning(
             "round %d: %s (%s); keeping local progress, retrying next round",
             result.slot,
@@ -111,6 +121,12 @@ class RoundHandler:
             result.reason,
         )
         return RoundEnd("fail", result.slot, result.reason, result)
+
+    def _settled(self, held: PendingRound) -> None:
+        """A round this site failed was applied by the others after all: the state this site adopted
+        holds its update, its tokens and the feedback it sent, so count them as synced."""
+        self.federation.settle_residual(held.residual)
+        self.stats.tokens_since_sync = max(0, self.stats.tokens_since_sync - held.tokens)
 
     def _step(self, averaged: torch.Tensor, slot: int, members: list[str]) -> None:
         """Apply an outer step, load the new global parameters into every rank, and say so."""

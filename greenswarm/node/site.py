@@ -16,31 +16,28 @@ with its own timing, wired together here:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from greenswarm.averaging.outer import OuterOptimizer
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
-from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
-from greenswarm.node.evaluation import BestCheckpoints, HeldOut
+from greenswarm.node.evaluation import HeldOut
 from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.joining import SwarmParts, join_swarm
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundHandler
 from greenswarm.node.round_log import RoundLog
+from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import StateSync
-from greenswarm.node.telemetry import progress_record, status_line, summary
+from greenswarm.node.telemetry import progress_record, status_line, summary, write_summary
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import WAITING_FOR_START, make_clock
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
@@ -82,8 +79,6 @@ class SiteNode:
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
         self.ranks = SiteRanks(self.world, self.trainer, HeldOut(cfg.eval, cfg.data, self.trainer.tokenizer))
-        self.checkpointer = Checkpointer(Path(cfg.node.run_dir), self.faults)
-        self.best = BestCheckpoints(cfg.eval, self.checkpointer) if self.world.is_leader else None
         self.round_log = RoundLog(cfg.node.run_dir, self.started)
 
         # the site's place in the swarm (rank 0; the swarm's parts exist once it has joined)
@@ -94,6 +89,7 @@ class SiteNode:
         self.federation: Federation | None = None
         self.round_handler: RoundHandler
         self.sync: StateSync
+        self.checkpoints: SiteCheckpoints
         self.peer_id = ""
         self.membership = None  # this site's checked membership certificate, when it has one
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
@@ -173,12 +169,13 @@ class SiteNode:
         """Average (FEDERATED) or take the step alone (SOLO), then move the global model."""
         began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
-        if state is FEDERATED:
-            self._catch_up(in_window_only=True)
+        if self.round_handler.catch_up_due(state is FEDERATED):
+            self._catch_up(in_window_only=state is FEDERATED)
         end = self.round_handler.end(state is FEDERATED, self._slot, self._partners)
         self._slot = end.slot
         if end.result is not None and end.result.outcome.ok:
-            self.connections = self._connections()  # who this site exchanged the round with, and how
+            # who this site exchanged the round with, and how
+            self.connections = self.swarm.connections_or(self.connections, self.log)
         if end.moved:
             self._after_step()
         self.round_log.write(end.entry(self.global_state, self.cfg.name, time.monotonic() - began))
@@ -198,27 +195,12 @@ class SiteNode:
     def _after_step(self) -> None:
         """What follows every change of the global model: checkpoint, held-out loss and the best
         checkpoints (when due), kept copy, record, fresh view."""
-        self._save_checkpoint()
-        state = self.global_state
-        loss = self.best.after_step(state.outer_round, state.lineage, self.ranks.evaluate)
+        loss = self.checkpoints.after_step(self.ranks.evaluate)
         if loss is not None:
             self.stats.eval_loss = loss
-            self.log.info("outer step %d: held-out loss %.4f", state.outer_round, loss)
-        self._keep_global()
+            self.log.info("outer step %d: held-out loss %.4f", self.global_state.outer_round, loss)
         self._report(force=True)
         self.swarm.view.refresh()
-
-    def _keep_global(self) -> None:
-        """Keep this outer step's global model if ``node.keep_globals`` asks (named by step and lineage)."""
-        keep = self.cfg.node.keep_globals
-        if not keep:
-            return
-        directory = Path(self.cfg.node.run_dir) / "globals"
-        directory.mkdir(parents=True, exist_ok=True)
-        state = self.global_state
-        torch.save(state.params.clone(), directory / f"outer-{state.outer_round:06d}-{state.lineage}.pt")
-        for old in sorted(directory.glob("outer-*.pt"))[:-keep]:
-            old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ wiring and timing
 
@@ -233,7 +215,18 @@ class SiteNode:
             averaging.nesterov,
         )
         self.global_state = GlobalState(outer, cfg.name)
-        self._resume()
+        self.sync = StateSync(
+            self.global_state,
+            self.ranks,
+            lambda peers: self.swarm.averager.download_state(peers),  # once the site has joined
+            self._stop,
+            averaging.agreement_timeout_s,
+            self.log,
+        )
+        self.checkpoints = SiteCheckpoints(
+            cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log
+        )
+        self.checkpoints.resume()
         self.swarm, self.membership = join_swarm(
             cfg, outer.numel, self.global_state.served, self.faults, self.log
         )
@@ -247,10 +240,6 @@ class SiteNode:
             self.faults,
             self.started,
             self.log,
-        )
-        download = self.swarm.averager.download_state
-        self.sync = StateSync(
-            self.global_state, self.ranks, download, self._stop, averaging.agreement_timeout_s, self.log
         )
         self.round_handler = RoundHandler(
             self.global_state, self.ranks, self.federation, self.sync, self.stats, self.peer_id, self.log
@@ -272,33 +261,6 @@ class SiteNode:
         if not self.clock.started:
             self.log.info("%s (%s)", WAITING_FOR_START, self.cfg.scheduler.clock.start_file)
         return self.clock.wait_for_start(self._stop)
-
-    def _resume(self) -> None:
-        payload = self.checkpointer.load()
-        if payload is None:
-            return
-        self.ranks.restore(payload["trainer"])
-        self.global_state.adopt(payload["site"], payload["outer"])
-        self.stats.load_state_dict(payload["site"])
-        self.ledger.load_state_dict(payload["ledger"])
-        self.log.info(
-            "resumed from %s: outer step %d, %d local steps, global digest %s",
-            self.checkpointer.path,
-            self.global_state.outer_round,
-            self.stats.local_steps,
-            self.global_state.digest(),
-        )
-
-    def _save_checkpoint(self) -> None:
-        trainer_state = self.ranks.save()
-        self.checkpointer.save(
-            {
-                "trainer": trainer_state,
-                "outer": self.global_state.tensors(),
-                "ledger": self.ledger.state_dict(),
-                "site": {**self.global_state.position(), **self.stats.state_dict()},
-            }
-        )
 
     def _report(self, force: bool = False) -> None:
         """Progress record (when due or forced), the entry-point watch and a periodic log line."""
@@ -330,26 +292,10 @@ class SiteNode:
         if self.state is not IDLE:
             self.log.info("%s -> IDLE (stopping)", self.state.value)
         self.state = IDLE
-        self._save_checkpoint()
+        self.checkpoints.save()
         self._report(force=True)
         self.swarm.publisher.flush()
-        result = summary(self)
-        path = Path(self.cfg.node.run_dir) / "summary.json"
-        path.write_text(json.dumps(result, indent=2))
-        self.log.info(
-            "finished: %s",
-            json.dumps({k: result[k] for k in ("outer_round", "tokens", "energy_kwh", "emissions_g")}),
-        )
-        return result
-
-    def _connections(self) -> dict[str, list[str]]:
-        """The peers this site is connected to now (see :meth:`SwarmParts.connections`). Best effort
-        and bounded: a diagnostic must never stall a round or a stop."""
-        try:
-            return self.swarm.connections()
-        except Exception as err:
-            self.log.debug("cannot list connections: %r", err)
-            return self.connections
+        return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
 
     def _close(self) -> None:
         self.ranks.stop()

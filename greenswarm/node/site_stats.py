@@ -43,6 +43,8 @@ class SiteStats:
         return {
             "local_steps": self.local_steps,
             "tokens": self.tokens,
+            # the local progress a restart resumes is not yet in any outer step: it keeps its weight
+            "tokens_since_sync": self.tokens_since_sync,
             "loss": self.loss,
             "first_loss": self.first_loss,
             "counts": dict(self.counts),
@@ -51,4 +53,5 @@ class SiteStats:
     def load_state_dict(self, site: dict[str, Any]) -> None:
         self.local_steps, self.tokens, self.loss = site["local_steps"], site["tokens"], site["loss"]
         self.first_loss = site.get("first_loss")  # absent from checkpoints written before it was kept
+        self.tokens_since_sync = site.get("tokens_since_sync", 0)  # (likewise)
         self.counts.update(site["counts"])

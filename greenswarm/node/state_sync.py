@@ -7,14 +7,19 @@
   majority's; it downloads the majority's state *after* their step, which already contains this
   site's pseudo-gradient, so its local progress is dropped.
 
-A split decision: every member of a group averaged, but this site saw no majority of digests before
-its agreement timeout and kept its local progress, while the others saw one and applied the step --
-which contains this site's pseudo-gradient. Its local progress then holds that pseudo-gradient
-*and* the swarm's state does. So the site remembers such a round (:meth:`StateSync.maybe_applied`):
-when it later adopts a state that descends from the round's step (its lineage, or one of the
-ancestors the state carries), it keeps only the progress made after the round on top of it; the
-pseudo-gradient it sent is not counted twice. A state that does not descend from it (the others
-failed the round too, or averaged later rounds without this site) gets the whole local progress.
+A split decision: a group formed and averaged, but this site did not apply the step -- it saw no
+majority of digests before its agreement timeout, its own all-reduce failed after sending its
+parts, or it could not download the majority's state -- while the others applied it, with this
+site's pseudo-gradient in it. Its local progress then holds that pseudo-gradient *and* the swarm's
+state does. So the site remembers such a round (:meth:`StateSync.maybe_applied`): when it later
+adopts a state that descends from the round's step (its lineage, or one of the ancestors the state
+carries), it keeps only the progress made after the round on top of it, and settles the round as
+applied (:attr:`StateSync.on_settled`: its tokens are in the swarm's step, its coding residual is
+the error feedback to carry). A state that does not descend from it (the others failed the round
+too, or averaged later rounds without this site) gets the whole local progress. A site must not
+take a SOLO step while it remembers such a round without first catching up (see
+:meth:`~greenswarm.node.round_handling.RoundHandler.catch_up_due`): its step would fork the swarm's
+lineage and carry the update a second time. The remembered round is checkpointed with the state.
 """
 
 from __future__ import annotations
@@ -44,6 +49,17 @@ class PendingRound:
     slot: int
     lineage: str  # the lineage of the state after that round's step
     delta: torch.Tensor  # the pseudo-gradient this site sent (relative to its state then)
+    tokens: int = 0  # the tokens behind it (its weight in the round)
+    residual: torch.Tensor | None = None  # what coding left out of what it sent (None: not known)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "lineage": self.lineage,
+            "delta": self.delta,
+            "tokens": self.tokens,
+            "residual": self.residual,
+        }
 
 
 class StateSync:
@@ -63,11 +79,30 @@ class StateSync:
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         self.pending_round: PendingRound | None = None
+        #: called with a remembered round found applied in an adopted state (see the module's docstring)
+        self.on_settled: Callable[[PendingRound], None] | None = None
 
-    def maybe_applied(self, slot: int, lineage: str, delta: torch.Tensor) -> None:
-        """Remember a round whose step others may have applied with this site's ``delta`` in it
-        (``lineage``: the state's lineage after that step)."""
-        self.pending_round = PendingRound(slot, lineage, delta.clone())
+    def maybe_applied(
+        self,
+        slot: int,
+        lineage: str,
+        delta: torch.Tensor,
+        tokens: int = 0,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        """Remember a round whose step others may have applied with this site's ``delta`` (over
+        ``tokens`` tokens, coded with ``residual`` left out) in it; ``lineage``: the state's lineage
+        after that step."""
+        kept = residual.clone() if residual is not None else None
+        self.pending_round = PendingRound(slot, lineage, delta.clone(), tokens, kept)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The remembered round, for a checkpoint (a restart must not forget it)."""
+        return {"pending_round": self.pending_round.state_dict() if self.pending_round else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        held = state.get("pending_round")
+        self.pending_round = PendingRound(**held) if held else None
 
     def moved(self) -> None:
         """This site's global state moved by a step of its own: a remembered round is moot (adopting a
@@ -136,6 +171,8 @@ class StateSync:
         self.pending_round = None
         if pending is not None and held is not None and self.state.descends_from(held.lineage):
             pending -= held.delta  # already in the adopted state: keep only what came after the round
+            if self.on_settled is not None:
+                self.on_settled(held)
             self.log.info(
                 "the state of outer step %d contains round %d, whose result this site did not apply: its "
                 "update in that round is not counted twice",

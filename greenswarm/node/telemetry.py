@@ -8,9 +8,11 @@ the end of a run.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from greenswarm.node.progress import ProgressRecord
@@ -34,6 +36,7 @@ class RunningSite(Protocol):
     federation: Any  # Federation, once the site has joined
     swarm: Any  # SwarmParts, once the site has joined
     connections: dict[str, list[str]]
+    log: Any  # logging.Logger
 
 
 def progress_record(node: RunningSite) -> ProgressRecord:
@@ -105,3 +108,12 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "median_agreement_s": statistics.median(agreement) if agreement else None,
         "world_size": node.world.world_size,
     }
+
+
+def write_summary(node: RunningSite, path: Path) -> dict[str, Any]:
+    """Write the site's summary to ``path``, log its headline figures and return it."""
+    result = summary(node)
+    path.write_text(json.dumps(result, indent=2))
+    headline = {k: result[k] for k in ("outer_round", "tokens", "energy_kwh", "emissions_g")}
+    node.log.info("finished: %s", json.dumps(headline))
+    return result
