@@ -1,17 +1,22 @@
-"""Every part of hivemind that greenswarm uses although hivemind does not promise to keep it.
+"""The one seam between greenswarm and hivemind's internals: every part of hivemind that greenswarm
+uses although hivemind does not promise to keep it.
 
-greenswarm pins hivemind (1.1.12) and leans on some of its internals: it overrides the averager's
-aggregation and all-reduce hooks, pokes the matchmaking's group key, runs its own all-reduce runner
-on hivemind's part containers, dials peers through the daemon client and registers p2pd flag sets.
-A new hivemind could rename any of them and break a swarm at run time, in the middle of a round.
-This table names each one, by the hivemind class that holds it, so that
+greenswarm pins hivemind (1.1.12) and leans on some of its internals. A new hivemind could rename
+any of them and break a swarm at run time, in the middle of a round. So:
 
+* everything greenswarm *reaches into* -- the matchmaking's group key, the averager process's
+  command pipe, the table where groupmates find a round's runner, the state-download stream, the
+  daemon client that re-dials an entry point, the codec registry and the p2pd flag table -- is
+  done by a function in this module, and nowhere else;
+* what can only be done inside a subclass -- :class:`~greenswarm.averaging.averager.SwarmAverager`
+  overriding the averager's aggregation, all-reduce and RPC hooks, and
+  :class:`~greenswarm.averaging.exact.ExactAllReduceRunner` overriding the all-reduce runner's --
+  stays in those two classes, and every hivemind name they use is listed in :data:`INTERNALS`;
 * ``tests/test_hivemind_internals.py`` fails loudly, before anything runs, when the installed
-  hivemind lacks one (:func:`missing`), and
-* the same test fails when greenswarm starts using a private hivemind name that is not listed here,
-  so the table stays the whole list.
+  hivemind lacks a listed name (:func:`missing`), when greenswarm touches a private hivemind name
+  that is not listed, and when one is touched outside this module and the two subclasses.
 
-A leaf module: hivemind is imported only inside :func:`missing`.
+A leaf module: hivemind is imported only inside its functions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import ast
 import importlib
 import inspect
 import textwrap
+from typing import Any
 
 #: "module:Class" (or "module:" for module attributes) -> the internal names greenswarm reads,
 #: writes, calls or overrides there
@@ -81,6 +87,105 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     # greenswarm.node.rejoin: re-dial the entry points through the daemon's client
     "hivemind.p2p.p2p_daemon:P2P": ("_client", "FORCE_REACHABILITY_MAPPING"),
 }
+
+
+# ---------------------------------------------------------------------------------------- the seam
+
+
+def register_codec(name: str, codec: Any) -> None:
+    """Put ``codec`` in hivemind's codec registry under the compression type ``name`` (its decoder for
+    every tensor that arrives with that type)."""
+    from hivemind.compression import serialization
+
+    serialization._BASE_COMPRESSION_TYPES[name] = codec
+
+
+def add_p2pd_mode(name: str, flags: dict[str, Any]) -> None:
+    """Teach hivemind's P2P a named set of p2pd flags, chosen by ``force_reachability=name`` (hivemind
+    passes ``FORCE_REACHABILITY_MAPPING[force_reachability]`` to p2pd and has no other way to add one)."""
+    from hivemind.p2p import P2P
+
+    P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, flags)
+
+
+async def dial(p2p: Any, peer: Any, addr: Any) -> None:
+    """Connect the daemon to ``peer`` at ``addr`` (hivemind's P2P has no public dial)."""
+    await p2p._client.connect(peer, [addr])
+
+
+def set_group(averager: Any, bits: str, target: int) -> None:
+    """(averager process) The next round's group key bits and expected group size, everywhere
+    hivemind's matchmaking keeps a copy of them."""
+    matchmaking = averager._matchmaking
+    matchmaking.group_key_manager.group_bits = bits
+    matchmaking.group_key_manager.target_group_size = target
+    matchmaking.target_group_size = target
+    matchmaking.potential_leaders.target_group_size = target
+
+
+def call_averager(averager: Any, method: str, wait_s: float, **kwargs: Any) -> Any:
+    """Run the async ``method`` of ``averager`` in its process (it takes a ``future`` keyword and sets
+    its result there) and wait up to ``wait_s`` for the result."""
+    from hivemind.utils import MPFuture
+
+    future = MPFuture()
+    averager._outer_pipe.send((method, [], dict(kwargs, future=future)))
+    return future.result(timeout=wait_s)
+
+
+def averager_p2p(averager: Any) -> Any:
+    """(averager process) The P2P handle the averager talks through."""
+    return averager._p2p
+
+
+def expose_runner(averager: Any, group_id: bytes, runner: Any) -> None:
+    """(averager process) Let groupmates' part requests for round ``group_id`` reach ``runner``."""
+    averager._running_groups[group_id].set_result(runner)
+
+
+def mark_averaged(averager: Any) -> None:
+    """(averager process) Tell hivemind the averaged tensors changed (as its own all-reduce does)."""
+    from hivemind.utils import get_dht_time
+
+    averager.last_updated = get_dht_time()
+    averager._state_updated.set()
+
+
+def gathered_metadata(averager: Any, blob: bytes) -> Any:
+    """What a member put in ``gather=`` when it joined a group, from hivemind's serialized blob
+    (bandwidth, mode, user metadata); raises on a blob that is not one."""
+    _bandwidth, _mode, user_bytes = averager.serializer.loads(blob)
+    return averager.serializer.loads(user_bytes)
+
+
+async def download_served_state(
+    averager: Any, peer: str, chunk_timeout_s: float
+) -> tuple[dict[str, Any], list[Any]] | None:
+    """(averager process) The state ``peer`` serves -- (metadata, tensors) -- read from hivemind's
+    state-download stream, or None when it served no metadata. Unlike hivemind's own
+    ``load_state_from_peers``, the caller chooses the peer."""
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import aiter_with_timeout
+    from hivemind.utils.streaming import combine_from_streaming
+
+    stub = averager.get_stub(averager._p2p, PeerID.from_base58(peer), namespace=averager.prefix)
+    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    metadata, tensors, parts = None, [], []
+    async for message in aiter_with_timeout(stream, timeout=chunk_timeout_s):
+        if message.metadata:
+            metadata = averager.serializer.loads(message.metadata)
+        if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    return None if metadata is None else (metadata, tensors)
+
+
+# ---------------------------------------------------------------------------------------- the check
 
 
 def declared() -> set[str]:

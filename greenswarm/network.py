@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from greenswarm.errors import ConfigError, SwarmError
+from greenswarm.hivemind_internals import add_p2pd_mode
 from greenswarm.procs import exit_with_parent, reap_children
 
 if TYPE_CHECKING:
@@ -81,19 +82,13 @@ def _register_p2pd_modes() -> None:
     trusted relay waits ~180 s), and the bootstrap must raise the relay's per-connection data and
     time limits. Registering new names leaves hivemind's own modes untouched.
     """
-    from hivemind.p2p import P2P
-
-    P2P.FORCE_REACHABILITY_MAPPING.setdefault(
-        RELAY_SERVICE_MODE,
-        {
-            "forceReachabilityPublic": 1,
-            "relayDataLimit": RELAY_DATA_LIMIT,
-            "relayTimeLimit": RELAY_TIME_LIMIT,
-        },
-    )
-    P2P.FORCE_REACHABILITY_MAPPING.setdefault(
-        BEHIND_NAT_MODE, {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
-    )
+    relay = {
+        "forceReachabilityPublic": 1,
+        "relayDataLimit": RELAY_DATA_LIMIT,
+        "relayTimeLimit": RELAY_TIME_LIMIT,
+    }
+    add_p2pd_mode(RELAY_SERVICE_MODE, relay)
+    add_p2pd_mode(BEHIND_NAT_MODE, {"forceReachabilityPrivate": 1, "relayDiscovery": 0})
 
 
 @dataclass

@@ -45,6 +45,43 @@ def test_every_private_name_greenswarm_touches_is_its_own_or_listed() -> None:
     assert undeclared == [], undeclared
 
 
+#: the hivemind subclasses: what they override (and, for the runner, the state it inherits) can only
+#: be used inside them
+SUBCLASSES = {"SwarmAverager": "overrides only", "ExactAllReduceRunner": "all"}
+#: listed internals with public-looking names that only hivemind's internals carry
+DISTINCT = {"group_key_manager", "potential_leaders", "FORCE_REACHABILITY_MAPPING", "serializer", "get_stub"}
+
+
+def test_hivemind_internals_are_reached_only_through_the_seam() -> None:
+    """Outside greenswarm/hivemind_internals.py, a listed internal appears only inside the two hivemind
+    subclasses -- and in the averager, only as one of its own overrides (``def`` or ``super()``)."""
+    internal = {name for name in declared() if name.startswith("_") or name in DISTINCT}
+    seam = PACKAGE / "hivemind_internals.py"
+    outside: list[tuple[str, str, str]] = []
+
+    def visit(node: ast.AST, path: Path, cls: ast.ClassDef | None) -> None:
+        if isinstance(node, ast.ClassDef):
+            cls = node
+        if isinstance(node, ast.Attribute) and node.attr in internal:
+            rule = SUBCLASSES.get(cls.name) if cls is not None else None
+            overrides = (
+                {f.name for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+                if cls
+                else set()
+            )
+            if rule != "all" and not (rule == "overrides only" and node.attr in overrides):
+                outside.append(
+                    (path.relative_to(PACKAGE.parent).as_posix(), cls.name if cls else "", node.attr)
+                )
+        for child in ast.iter_child_nodes(node):
+            visit(child, path, cls)
+
+    for path in PACKAGE.rglob("*.py"):
+        if path != seam:
+            visit(ast.parse(path.read_text()), path, None)
+    assert outside == [], outside
+
+
 def test_a_renamed_internal_is_reported(monkeypatch) -> None:
     """The check itself: an internal the installed hivemind lacks is named in what it reports."""
     import greenswarm.hivemind_internals as internals

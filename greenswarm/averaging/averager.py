@@ -36,17 +36,17 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
-from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.compression import NoCompression
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils import MPFuture
 
-from greenswarm.averaging.codecs import CarriesNaN, wire_format
+from greenswarm import hivemind_internals as seam
+from greenswarm.averaging.codecs import wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
+from greenswarm.averaging.poisoning import poison
 from greenswarm.averaging.round_report import RoundFailed, RoundOutcome, RoundReport
 from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
@@ -208,27 +208,6 @@ class SwarmAverager(DecentralizedAverager):
             report=report,
         )
 
-    def _poison(self, coded: torch.Tensor, compression: CompressionBase) -> CompressionBase:
-        """The ``poison-nan``, ``poison-scale`` and ``poison-part`` faults (averager process): what goes on
-        the wire becomes NaN, 1000x the update, or 1000x its second half, after the clean update's
-        norm was claimed -- what a
-        malicious member would send. Returns the codec to send with: greenswarm's own formats refuse
-        to encode NaN, so a NaN poisoner sends through :class:`CarriesNaN`, as a hand-written peer
-        would (without it, the poisoner's sends fail and its groupmates never see the poison)."""
-        nan, scale = self._faults.fires("poison-nan"), self._faults.fires("poison-scale")  # count all
-        part = self._faults.fires("poison-part")
-        if nan:
-            log.warning("fault injected: poison-nan (this site sends NaN as its update)")
-            coded.fill_(float("nan"))
-            return CarriesNaN(compression)
-        if scale:
-            log.warning("fault injected: poison-scale (this site sends 1000x its update)")
-            coded.mul_(1000)
-        if part:  # the first half stays clean: the reducers of that slice see nothing wrong with it
-            log.warning("fault injected: poison-part (this site sends 1000x the second half of its update)")
-            coded[coded.numel() // 2 :].mul_(1000)
-        return compression
-
     def _round_bound_s(self) -> float:
         """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
         return 2 * self._cfg.matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
@@ -275,11 +254,7 @@ class SwarmAverager(DecentralizedAverager):
     async def _configure_round(self, bits: str, target: int, future: MPFuture) -> None:
         """Runs in the averager process: set this round's group key and expected group size."""
         try:
-            matchmaking = self._matchmaking
-            matchmaking.group_key_manager.group_bits = bits
-            matchmaking.group_key_manager.target_group_size = target
-            matchmaking.target_group_size = target
-            matchmaking.potential_leaders.target_group_size = target
+            seam.set_group(self, bits, target)
             future.set_result(None)
         except Exception as e:
             future.set_exception(e)
@@ -332,9 +307,9 @@ class SwarmAverager(DecentralizedAverager):
         coded = await asyncio.get_event_loop().run_in_executor(None, fmt.roundtrip, flat)
         torch.sub(flat, coded, out=self._residual)
         report.coded = True
-        kwargs["compression"] = self._poison(coded, fmt.compression)
+        kwargs["compression"] = poison(coded, fmt.compression, self._faults)
         runner = ExactAllReduceRunner(
-            p2p=self._p2p,
+            p2p=seam.averager_p2p(self),
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=[coded],
@@ -344,7 +319,7 @@ class SwarmAverager(DecentralizedAverager):
             on_refused=functools.partial(self._refuse_part, report),
             **kwargs,
         )
-        self._running_groups[group_id].set_result(runner)  # lets groupmates' part requests reach it
+        seam.expose_runner(self, group_id, runner)  # lets groupmates' part requests reach it
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("an auxiliary peer must not receive averaged tensors")
@@ -360,16 +335,14 @@ class SwarmAverager(DecentralizedAverager):
         report.wire = fmt.name
         for tensor, average in zip(tensors, averaged, strict=True):
             tensor.copy_(average)
-        self.last_updated = get_dht_time()
-        self._state_updated.set()
+        seam.mark_averaged(self)
 
     def _gathered_users(self, group_info: Any) -> list[tuple[str, Any]]:
         """Each member's own gathered metadata (None for a member that gathered something else)."""
         users = []
         for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:
-                _bandwidth, _mode, user_bytes = self.serializer.loads(blob)
-                users.append((str(peer), self.serializer.loads(user_bytes)))
+                users.append((str(peer), seam.gathered_metadata(self, blob)))
             except Exception:  # a member that gathered something else: the checks name it
                 users.append((str(peer), None))
         return users
@@ -430,8 +403,7 @@ class SwarmAverager(DecentralizedAverager):
         """hivemind's join handler, behind a membership check: an outsider never enters a group."""
         if self._admission is not None:
             try:
-                _bandwidth, _mode, user_bytes = self.serializer.loads(request.gather)
-                user = self.serializer.loads(user_bytes)
+                user = seam.gathered_metadata(self, request.gather)
                 certificate = user.get("certificate") if isinstance(user, dict) else None
                 membership = self._admission.check(certificate, str(context.remote_id))
             except Exception as e:
@@ -489,7 +461,7 @@ class SwarmAverager(DecentralizedAverager):
         try:
             for peer in peers:
                 try:
-                    state = await self._download_one(PeerID.from_base58(peer))
+                    state = await seam.download_served_state(self, peer, self._cfg.chunk_timeout_s)
                 except Exception as e:
                     log.warning("state download from %s failed: %r", peer, e)
                     continue
@@ -501,28 +473,11 @@ class SwarmAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
-    async def _download_one(self, peer: PeerID) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=self._cfg.chunk_timeout_s):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return None if metadata is None else (metadata, tensors)
-
     # ---- plumbing ----
 
     def _call(self, method: str, wait_s: float = 30.0, **kwargs: Any) -> Any:
         """Run ``method`` in the averager process and wait for its result."""
-        future = MPFuture()
-        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
-        return future.result(timeout=wait_s)
+        return seam.call_averager(self, method, wait_s, **kwargs)
 
 
 def _names(users: list[tuple[str, Any]]) -> str:

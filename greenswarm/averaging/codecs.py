@@ -41,9 +41,11 @@ from hivemind.compression import (
     Float16Compression,
     NoCompression,
     ScaledFloat16Compression,
+    deserialize_torch_tensor,
 )
-from hivemind.compression import serialization as _registry
 from hivemind.proto import runtime_pb2
+
+from greenswarm.hivemind_internals import register_codec
 
 #: values per int8 block: a power of two, so hivemind's parts (2**19 values at the 1-byte estimate
 #: below) always start on a block boundary
@@ -213,7 +215,7 @@ class CarriesNaN(CompressionBase):
 def install() -> None:
     """Put greenswarm's decoder in hivemind's registry slot (idempotent; every process does it on
     import of this module, before any averager forks)."""
-    _registry._BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(SLOT)] = GreenswarmCompression()
+    register_codec(runtime_pb2.CompressionType.Name(SLOT), GreenswarmCompression())
 
 
 install()
@@ -230,9 +232,7 @@ class WireFormat:
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """What a peer decodes from this vector (flat fp32)."""
-        return _registry.deserialize_torch_tensor(
-            self.compression.compress(x, CompressionInfo.from_tensor(x))
-        )
+        return deserialize_torch_tensor(self.compression.compress(x, CompressionInfo.from_tensor(x)))
 
     def encoded_bytes(self, x: torch.Tensor) -> int:
         return len(self.compression.compress(x, CompressionInfo.from_tensor(x)).buffer)

@@ -17,6 +17,7 @@ import time
 from functools import partial
 from typing import Any
 
+from greenswarm.hivemind_internals import dial
 from greenswarm.network import run_in_dht
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ async def _check_and_redial(maddrs: list[str], _dht: Any, node: Any) -> tuple[bo
         # a ping is what puts it back there
         try:
             if peer not in connected:
-                await node.p2p._client.connect(peer, [addr])
+                await dial(node.p2p, peer, addr)
             if await node.protocol.call_ping(peer) is not None:
                 answered += 1
         except Exception as e:
