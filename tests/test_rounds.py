@@ -449,6 +449,19 @@ def _split_round(stats: SiteStats) -> tuple[GlobalState, FakeRanks, RoundHandler
     return state, ranks, handler_, theirs, next_lineage(GENESIS, 7, [ME, B, C])
 
 
+def _served_after(lineage: str, params: torch.Tensor) -> Any:
+    """A download that serves the others' state one step past the round of ``lineage``."""
+    later = next_lineage(lineage, 8, [B, C])
+    meta = {
+        "site": "b",
+        "outer_round": 2,
+        "lineage": later,
+        "round_index": 8,
+        "ancestors": [GENESIS, lineage],
+    }
+    return (lambda peers: (meta, [params.clone(), torch.zeros(N)])), Head("b", 2, later)
+
+
 def test_a_site_that_missed_the_majority_keeps_its_update_out_of_the_step_it_later_adopts() -> None:
     """Its pseudo-gradient is already in the others' step: adopting that step (or one after it) with
     its whole local progress on top would count it twice. Only the progress made since the round is
@@ -461,17 +474,9 @@ def test_a_site_that_missed_the_majority_keeps_its_update_out_of_the_step_it_lat
     ranks.local -= 0.1  # it trains on: progress since the round
     # B and C took another step after that one (without this site): the state it catches up to
     # descends from the round's step
-    later = next_lineage(lineage, 8, [B, C])
-    served = {
-        "site": "b",
-        "outer_round": 2,
-        "lineage": later,
-        "round_index": 8,
-        "ancestors": [GENESIS, lineage],
-    }
     sync = handler_.sync
-    sync.download = lambda peers: (served, [theirs - 0.2, torch.zeros(N)])
-    assert sync.catch_up(FakeView(Head("b", 2, later)), in_window_only=True)
+    sync.download, head = _served_after(lineage, theirs - 0.2)
+    assert sync.catch_up(FakeView(head), in_window_only=True)
     # the adopted parameters, minus only the 0.1 trained since the round (not 0.5 + 0.1)
     torch.testing.assert_close(ranks.local, theirs - 0.2 - 0.1)
 
@@ -509,19 +514,6 @@ def _failed_after_sending(residual: torch.Tensor | None = None) -> RoundOutcome:
         slot=7,
         residual=residual,
     )
-
-
-def _served_after(lineage: str, params: torch.Tensor) -> Any:
-    """A download that serves the others' state one step past the round of ``lineage``."""
-    later = next_lineage(lineage, 8, [B, C])
-    meta = {
-        "site": "b",
-        "outer_round": 2,
-        "lineage": later,
-        "round_index": 8,
-        "ancestors": [GENESIS, lineage],
-    }
-    return (lambda peers: (meta, [params.clone(), torch.zeros(N)])), Head("b", 2, later)
 
 
 def test_a_site_whose_all_reduce_failed_after_sending_is_settled_when_it_adopts_the_step() -> None:
