@@ -45,6 +45,10 @@ class AveragingConfig:
     ``round_budget_s`` on the slowest member's measured link. All members of a group must configure
     the same format (or ``auto``).
     ``error_feedback`` carries what a round's coding left out into the next round's pseudo-gradient.
+    ``overlap`` runs a federated round beside training: the site snapshots its pseudo-gradient at the
+    boundary, trains on while the group averages and agrees, and applies the outer step when the
+    result arrives, keeping the inner steps taken meanwhile (one-step-delayed outer step,
+    docs/overlap.md); false blocks training for the whole round.
     Timeouts are wall seconds and always set: hivemind's defaults wait forever.
     ``agreement_timeout_s`` bounds the wait for the group's round digests after an all-reduce (and a
     dissenting site's wait for the majority's state); a member that has not answered by then counts
@@ -64,6 +68,7 @@ class AveragingConfig:
     nesterov: bool = True
     wire: WireCodec = "auto"
     error_feedback: bool = True
+    overlap: bool = False
     round_budget_s: float = 30.0
     matchmaking_s: float = 5.0
     request_timeout_s: float = 2.0
@@ -114,8 +119,9 @@ class AveragingConfig:
                 f"must be smaller than matchmaking_s ({self.matchmaking_s}) or matchmaking can deadlock",
                 field="request_timeout_s",
             )
-        if not isinstance(self.error_feedback, bool):
-            raise ConfigError(f"must be true or false, got {self.error_feedback!r}", field="error_feedback")
+        for name in ("error_feedback", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"must be true or false, got {getattr(self, name)!r}", field=name)
         _positive(self.max_norm_ratio, "max_norm_ratio", allow_zero=True)
         if 0 < self.max_norm_ratio < 1:
             raise ConfigError(

@@ -10,13 +10,17 @@ what happened and returns a :class:`RoundEnd`; the node does what follows any ne
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from greenswarm.averaging.outer import next_lineage
+from greenswarm.averaging.round_report import RoundOutcome
 from greenswarm.node.federation import Applied, Failed, Federation, Resync, RoundResult, site_of
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.ranks import SiteRanks
@@ -34,6 +38,7 @@ class RoundEnd:
     reason: str = ""  # why a round failed
     result: RoundResult | None = None  # the federated round's result (None: SOLO)
     moved: bool = False  # the global model changed: what follows a new global model is due
+    steps_meanwhile: int = 0  # inner steps the site took while the round ran (kept on top of its result)
 
     @property
     def took_part(self) -> bool:
@@ -58,7 +63,34 @@ class RoundEnd:
             allreduce_s=outcome.allreduce_s if outcome else None,
             agreement_s=self.result.agreement_s if self.result is not None else None,
             blocked_s=blocked_s,
+            steps_meanwhile=self.steps_meanwhile,
         )
+
+
+@dataclass
+class RoundInFlight:
+    """A federated round between its snapshot and its result."""
+
+    slot: int
+    delta: torch.Tensor  # the pseudo-gradient snapshot it averages
+    tokens: int  # the tokens behind it (moved out of the site's unsynced tokens)
+    future: Future[RoundResult] | None  # its result, computed in the background (None: run it inline)
+    run: Callable[[], RoundResult]
+    steps: int = 0  # inner steps taken since the snapshot
+
+
+def in_background(run: Callable[[], RoundResult]) -> Future[RoundResult]:
+    """Run ``run`` on a daemon thread (a stop must never wait on a stuck round beyond its timeouts)."""
+    future: Future[RoundResult] = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(run())
+        except BaseException as e:  # (run never raises; this keeps a future from hanging if it does)
+            future.set_exception(e)
+
+    threading.Thread(target=target, name="round", daemon=True).start()
+    return future
 
 
 class RoundHandler:
@@ -77,6 +109,7 @@ class RoundHandler:
         self.state, self.ranks, self.federation, self.sync = state, ranks, federation, sync
         self.stats, self.counts, self.peer_id = stats, stats.counts, peer_id
         self.log = log or logging.getLogger(__name__)
+        self.in_flight: RoundInFlight | None = None  # a federated round begun and not yet finished
         sync.on_settled = self._settled
 
     def catch_up_due(self, federated: bool) -> bool:
@@ -87,30 +120,68 @@ class RoundHandler:
         return federated or self.sync.pending_round is not None
 
     def end(self, federated: bool, slot: int, partners: Callable[[], int]) -> RoundEnd:
-        """End round ``slot``: alone, or (``federated``) with the ``partners()`` other sites in a
-        window, asked right before averaging."""
-        delta = self.state.pseudo_gradient(self.ranks.gather())
+        """End round ``slot`` and wait for it: alone, or (``federated``) with the ``partners()`` other
+        sites in a window, asked right before averaging."""
         if not federated:
+            delta = self.state.pseudo_gradient(self.ranks.gather())
             self._step(delta, slot, [self.peer_id])
             return RoundEnd("solo", slot, moved=True)
-        tokens = self.stats.tokens_since_sync
-        result = self.federation.run(delta, self.state, slot, partners(), tokens)
+        self.begin(slot, partners, background=False)
+        return self.finish()
+
+    # ---- a federated round in two halves: begin (snapshot) and finish (act on the group's result)
+
+    def begin(self, slot: int, partners: Callable[[], int], background: bool = True) -> None:
+        """Snapshot this site's pseudo-gradient and tokens for round ``slot`` and start averaging them;
+        in the ``background``, training goes on meanwhile (see :meth:`finish`)."""
+        assert self.in_flight is None, "a round is already in flight"
+        delta = self.state.pseudo_gradient(self.ranks.gather())
+        tokens, self.stats.tokens_since_sync = self.stats.tokens_since_sync, 0  # they go into this round
+        run = functools.partial(self._run, delta, slot, partners(), tokens)
+        self.in_flight = RoundInFlight(slot, delta, tokens, in_background(run) if background else None, run)
+
+    def step_taken(self) -> None:
+        """An inner step was taken: a round in flight must keep it when its result is applied."""
+        if self.in_flight is not None:
+            self.in_flight.steps += 1
+
+    def ready(self) -> bool:
+        """Whether a round in flight has its result (finishing it will not wait)."""
+        flight = self.in_flight
+        return flight is not None and (flight.future is None or flight.future.done())
+
+    def finish(self) -> RoundEnd:
+        """Act on the round in flight, waiting for its result if it has none yet: apply the group's step,
+        resync to the majority's state, or keep local progress. Inner steps taken since the snapshot
+        are kept on top of the new global model (the one-step-delayed outer step, docs/overlap.md)."""
+        flight, self.in_flight = self.in_flight, None
+        assert flight is not None, "no round in flight"
+        end = self._act(flight)
+        end.steps_meanwhile = flight.steps
+        return end
+
+    def _act(self, flight: RoundInFlight) -> RoundEnd:
+        result = flight.future.result() if flight.future is not None else flight.run()
+        delta, tokens = flight.delta, flight.tokens
+        # local progress since the snapshot: (global - snapshot) - (global - now); none when blocking
+        since = delta - self.state.pseudo_gradient(self.ranks.gather()) if flight.steps else None
         self.counts["refused_updates"] += len(result.refused)
         if isinstance(result, Applied):
-            self._step(result.averaged, result.slot, result.members)
+            self._step(result.averaged, result.slot, result.members, since)
             return RoundEnd("apply", result.slot, result=result, moved=True)
         if isinstance(result, Resync):
-            if self.sync.resync(result):
+            if self.sync.resync(result, on_top=since):
                 self.federation.keep_residual(result.outcome)
-                self.counts["resyncs"] += 1
-                self.stats.tokens_since_sync = 0  # this site's progress is in the majority's step
+                self.counts["resyncs"] += 1  # this site's progress up to the snapshot is in their step
                 return RoundEnd("resync", result.slot, result=result, moved=True)
             self.counts["failed_rounds"] += 1
+            self.stats.tokens_since_sync += tokens
             residual = result.outcome.residual  # the majority did apply it
             self.sync.maybe_applied(result.slot, result.lineage, delta, tokens, residual)
             return RoundEnd("fail", result.slot, "could not get the majority's state", result)
         assert isinstance(result, Failed)
         self.counts["failed_rounds"] += 1
+        self.stats.tokens_since_sync += tokens  # not in any step: they weigh in the next round
         if self.peer_id in result.outcome.members:  # its update went in: the others may apply it
             after = next_lineage(self.state.lineage, result.slot, result.outcome.members)
             self.sync.maybe_applied(result.slot, after, delta, tokens, result.outcome.residual)
@@ -122,18 +193,30 @@ class RoundHandler:
         )
         return RoundEnd("fail", result.slot, result.reason, result)
 
+    def _run(self, delta: torch.Tensor, slot: int, partners: int, tokens: int) -> RoundResult:
+        """The federation's round (in the background thread when overlapped): never raises."""
+        try:
+            return self.federation.run(delta, self.state, slot, partners, tokens)
+        except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
+            self.log.exception("round %d raised", slot)
+            return Failed(slot, f"the round raised {type(e).__name__}: {e}", RoundOutcome(False))
+
     def _settled(self, held: PendingRound) -> None:
         """A round this site failed was applied by the others after all: the state this site adopted
         holds its update, its tokens and the feedback it sent, so count them as synced."""
         self.federation.settle_residual(held.residual)
         self.stats.tokens_since_sync = max(0, self.stats.tokens_since_sync - held.tokens)
 
-    def _step(self, averaged: torch.Tensor, slot: int, members: list[str]) -> None:
-        """Apply an outer step, load the new global parameters into every rank, and say so."""
+    def _step(
+        self, averaged: torch.Tensor, slot: int, members: list[str], since: torch.Tensor | None = None
+    ) -> None:
+        """Apply an outer step, load the new global parameters (plus the local progress ``since`` the
+        round's snapshot) into every rank, and say so."""
         self.state.apply(averaged, slot, members)
         self.sync.moved()
-        self.ranks.load(self.state.params)
-        self.stats.tokens_since_sync = 0
+        self.ranks.load(self.state.params if since is None else self.state.params + since)
+        if len(members) == 1:  # (a federated round moved its tokens into the round at its snapshot)
+            self.stats.tokens_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
         self.log.info(
             "round %d: outer step %d %s, loss %.3f, global digest %s",

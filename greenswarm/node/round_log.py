@@ -42,6 +42,7 @@ class RoundEntry:
     allreduce_s: float | None = None  # the all-reduce alone (None: no group formed)
     agreement_s: float | None = None  # the digest exchange
     blocked_s: float = 0.0  # how long training waited for this round, all of it included
+    steps_meanwhile: int = 0  # inner steps taken while the round ran (averaging.overlap)
     since_start_s: float = 0.0  # seconds since this process started
     wall_time: float = 0.0
     pid: int = 0

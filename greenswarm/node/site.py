@@ -32,7 +32,7 @@ from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.joining import SwarmParts, join_swarm
 from greenswarm.node.ranks import SiteRanks
-from greenswarm.node.round_handling import RoundHandler
+from greenswarm.node.round_handling import RoundEnd, RoundHandler
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
@@ -94,6 +94,7 @@ class SiteNode:
         self.membership = None  # this site's checked membership certificate, when it has one
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
         self._slot = -1
+        self._begin_s = 0.0  # how long beginning the round in flight held training up
         self._last_log = 0.0
 
     # ------------------------------------------------------------------ public
@@ -131,6 +132,8 @@ class SiteNode:
                 self._sleep_until_window(now)
             else:
                 self._train_step()
+                if self.round_handler.ready():
+                    self._finish_round()  # the group's result arrived while this site trained on
                 if self._round_due():
                     self.swarm.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
                     state = self._update_state(self.clock.now())
@@ -151,6 +154,8 @@ class SiteNode:
             self.log.info(
                 "%s -> %s at %s%s after %d local steps", old.value, new.value, utc_minute(now), until, steps
             )
+            if new is IDLE:
+                self._finish_round()  # leaving the window: the round in flight ends first
             if old is IDLE:
                 self._slot = self._slot_of(now)  # the first round ends at the next boundary
                 self._catch_up(in_window_only=False)
@@ -161,18 +166,35 @@ class SiteNode:
 
     def _train_step(self) -> None:
         self.stats.add_step(self.ranks.train())
+        self.round_handler.step_taken()
         if self.stats.first_step_s is None:
             self.stats.first_step_s = time.monotonic() - self.started
             self.log.info("first training step %.1f s after start", self.stats.first_step_s)
 
     def _end_round(self, state: SiteState) -> None:
-        """Average (FEDERATED) or take the step alone (SOLO), then move the global model."""
+        """Average (FEDERATED) or take the step alone (SOLO), then move the global model. With
+        ``averaging.overlap``, a federated round only begins here and training goes on; its result
+        is acted on when it arrives (:meth:`_finish_round`)."""
+        self._finish_round()  # the last round's result comes first (waiting for it, if need be)
         began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
         if self.round_handler.catch_up_due(state is FEDERATED):
             self._catch_up(in_window_only=state is FEDERATED)
-        end = self.round_handler.end(state is FEDERATED, self._slot, self._partners)
-        self._slot = end.slot
+        if state is FEDERATED and self.cfg.averaging.overlap:
+            self.round_handler.begin(self._slot, self._partners)
+            self._begin_s = time.monotonic() - began
+            return
+        self._after_round(self.round_handler.end(state is FEDERATED, self._slot, self._partners), began)
+
+    def _finish_round(self) -> None:
+        """Act on the round in flight, if there is one (waiting for its result when it has none yet)."""
+        if self.round_handler.in_flight is not None:
+            self._after_round(self.round_handler.finish(), time.monotonic() - self._begin_s)
+
+    def _after_round(self, end: RoundEnd, began: float) -> None:
+        """What follows a round's end at this site: the new global model's checkpoint and record, the
+        round log's line (``began``: when the loop stopped training for this round)."""
+        self._slot = max(self._slot, end.slot)
         if end.result is not None and end.result.outcome.ok:
             # who this site exchanged the round with, and how
             self.connections = self.swarm.connections_or(self.connections, self.log)
@@ -285,6 +307,7 @@ class SiteNode:
         return self._slot_of(self.clock.now()) > self._slot
 
     def _finish(self) -> dict[str, Any]:
+        self._finish_round()
         now = self.clock.now()
         if self.state is SOLO and self.stats.tokens_since_sync:
             self._end_round(SOLO)

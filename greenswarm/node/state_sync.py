@@ -131,9 +131,10 @@ class StateSync:
         )
         return True
 
-    def resync(self, result: Resync) -> bool:
+    def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:
         """Take the majority's state after the step of ``result``'s round (this site's pseudo-gradient
-        is already in it, so local progress is not kept); False if none came within the timeout."""
+        is already in it, so local progress up to the round's snapshot is not kept; ``on_top``: the
+        progress made since, when the round ran beside training); False if none came in time."""
         self.log.warning("round %d: %s; resynchronizing from %s", result.slot, result.reason, result.holders)
         deadline = time.monotonic() + self.timeout_s
         while not self.stop.is_set():
@@ -141,7 +142,7 @@ class StateSync:
             if (
                 got is not None
                 and got[0].get("lineage") == result.lineage
-                and self.adopt(*got, keep_pending=False)
+                and self.adopt(*got, keep_pending=False, on_top=on_top)
             ):
                 self.log.info(
                     "round %d: resynchronized to outer step %d, global digest %s",
@@ -159,17 +160,26 @@ class StateSync:
         )
         return False
 
-    def adopt(self, meta: dict[str, Any], tensors: list[torch.Tensor], keep_pending: bool) -> bool:
+    def adopt(
+        self,
+        meta: dict[str, Any],
+        tensors: list[torch.Tensor],
+        keep_pending: bool,
+        on_top: torch.Tensor | None = None,
+    ) -> bool:
         """Make a downloaded global state this site's; keep the local progress made since this site's
-        last outer step on top of it only when ``keep_pending`` (it is not yet in that state)."""
+        last outer step on top of it only when ``keep_pending`` (it is not yet in that state), or else
+        the given ``on_top`` progress (made since a round's snapshot, which that state holds)."""
         if not self.state.fits(tensors):
             self.log.warning("%s served a state of the wrong shape; ignoring it", meta.get("site", "a peer"))
             return False
         pending = self.state.pseudo_gradient(self.ranks.gather()) if keep_pending else None
+        if on_top is not None and pending is None:
+            pending = -on_top
         self.state.adopt(meta, tensors)
         held = self.pending_round
         self.pending_round = None
-        if pending is not None and held is not None and self.state.descends_from(held.lineage):
+        if keep_pending and held is not None and self.state.descends_from(held.lineage):
             pending -= held.delta  # already in the adopted state: keep only what came after the round
             if self.on_settled is not None:
                 self.on_settled(held)

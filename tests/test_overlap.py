@@ -1,0 +1,198 @@
+"""Rounds that run beside training (``averaging.overlap``), in-process: the round's result arrives
+while the site trains on, and the site must act on it exactly once, keeping the inner steps it took
+meanwhile -- or, when the round fails, keep everything.
+
+The fakes are test_rounds.py's; the averager here waits for the test to release it, so the test
+takes "inner steps" (moves the local vector) while the round is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from greenswarm.averaging.outer import GENESIS, next_lineage
+from greenswarm.averaging.round_report import RoundOutcome
+from greenswarm.node.round_handling import RoundHandler
+from greenswarm.node.site_stats import SiteStats
+from tests.test_rounds import (
+    ME,
+    B,
+    C,
+    FakeAverager,
+    FakeBoard,
+    FakeRanks,
+    N,
+    federation,
+    global_state,
+    handler,
+    outcome,
+)
+
+pytestmark = pytest.mark.overlap
+
+
+class HeldAverager(FakeAverager):
+    """Holds each round until the test releases it: the site trains on meanwhile."""
+
+    def __init__(self, *outcomes: RoundOutcome):
+        super().__init__(*outcomes)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def average(self, delta: torch.Tensor, **kwargs: Any) -> RoundOutcome:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the round"
+        return super().average(delta, **kwargs)
+
+
+def _train_meanwhile(handler_: RoundHandler, ranks: FakeRanks, stats: SiteStats, steps: int = 2) -> None:
+    """Inner steps taken while the round is in flight: each moves the local vector by -0.05."""
+    for _ in range(steps):
+        ranks.local -= 0.05
+        stats.tokens_since_sync += 10
+        handler_.step_taken()
+
+
+def _wait_ready(handler_: RoundHandler) -> None:
+    deadline = time.monotonic() + 10
+    while not handler_.ready():
+        assert time.monotonic() < deadline, "the round's result never arrived"
+        time.sleep(0.01)
+
+
+def test_a_result_that_arrives_while_training_is_applied_once_keeping_the_steps_meanwhile() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    averager = HeldAverager(outcome(torch.full((N,), 0.25), members=[ME, B], slot=7))
+    handler_ = handler(federation(averager), state, ranks, stats=stats)
+    handler_.begin(7, lambda: 1)
+    assert averager.entered.wait(10) and not handler_.ready()
+    _train_meanwhile(handler_, ranks, stats)  # the loop trains on: -0.1 since the snapshot
+    assert state.outer_round == 0 and stats.tokens_since_sync == 20  # the round holds its 40 tokens
+    averager.release.set()
+    _wait_ready(handler_)
+    end = handler_.finish()
+    assert (end.action, end.slot, end.moved) == ("apply", 7, True)
+    assert averager.calls[0]["weight"] == 40 and torch.equal(
+        averager.calls[0]["delta"], torch.full((N,), 0.5)
+    )
+    assert state.outer_round == 1 and state.lineage == next_lineage(GENESIS, 7, [ME, B])
+    torch.testing.assert_close(state.params, torch.full((N,), 0.75))  # FedAvg: 1.0 - the group's 0.25
+    torch.testing.assert_close(ranks.local, torch.full((N,), 0.65))  # the new global, minus the 0.1 since
+    assert stats.tokens_since_sync == 20 and stats.counts["federated_rounds"] == 1
+    # exactly once: nothing is in flight any more, and a later round begins from the new global model
+    assert handler_.in_flight is None and not handler_.ready()
+    with pytest.raises(AssertionError, match="no round in flight"):
+        handler_.finish()
+    assert len(averager.calls) == 1 and len(ranks.loads) == 1 and end.steps_meanwhile == 2
+
+
+def test_a_failed_background_round_leaves_the_sites_progress_intact() -> None:
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    averager = HeldAverager(RoundOutcome(False, reason="no group formed before the deadline"))
+    handler_ = handler(federation(averager), state, ranks, stats=stats)
+    handler_.begin(7, lambda: 1)
+    _train_meanwhile(handler_, ranks, stats)
+    averager.release.set()
+    _wait_ready(handler_)
+    end = handler_.finish()
+    assert (end.action, end.moved) == ("fail", False)
+    assert state.outer_round == 0 and torch.equal(state.params, torch.ones(N))
+    assert ranks.loads == [] and torch.allclose(ranks.local, torch.full((N,), 0.4))  # every step kept
+    assert stats.tokens_since_sync == 60  # the round's 40 tokens weigh in the next round again
+    assert stats.counts["failed_rounds"] == 1 and handler_.sync.pending_round is None
+
+
+def test_a_resync_after_a_background_round_keeps_the_steps_since_the_snapshot() -> None:
+    """The majority's state holds this site's snapshot (in their step), not what it trained since."""
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    expected = next_lineage(GENESIS, 7, [ME, B, C])
+    theirs = torch.full((N,), 0.6)
+    served = {"site": "b", "outer_round": 1, "lineage": expected, "round_index": 7}
+    averager = HeldAverager(outcome(torch.zeros(N), members=[ME, B, C], slot=7))
+    fed = federation(averager, FakeBoard(lambda mine, members: {ME: mine, B: "theirs", C: "theirs"}))
+    download = lambda peers: (served, [theirs.clone(), torch.zeros(N)])  # noqa: E731
+    handler_ = handler(fed, state, ranks, download, stats)
+    handler_.begin(7, lambda: 2)
+    _train_meanwhile(handler_, ranks, stats)
+    averager.release.set()
+    _wait_ready(handler_)
+    end = handler_.finish()
+    assert (end.action, end.moved) == ("resync", True)
+    assert state.lineage == expected and torch.equal(state.params, theirs)
+    torch.testing.assert_close(ranks.local, theirs - 0.1)
+    assert stats.tokens_since_sync == 20 and stats.counts["resyncs"] == 1
+
+
+def test_a_round_that_raises_in_the_background_fails_instead_of_hanging() -> None:
+    """No silent failure and no stuck loop: an exception in the round thread is a failed round."""
+
+    class Broken(FakeAverager):
+        def average(self, delta: torch.Tensor, **kwargs: Any) -> RoundOutcome:
+            raise RuntimeError("the averager process is gone")
+
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    handler_ = handler(federation(Broken()), state, ranks, stats=stats)
+    handler_.begin(7, lambda: 1)
+    _wait_ready(handler_)
+    end = handler_.finish()
+    assert end.action == "fail" and "the averager process is gone" in end.reason
+    assert stats.tokens_since_sync == 40 and torch.equal(ranks.local, torch.full((N,), 0.5))
+
+
+# ---------------------------------------------------------------------------------------- a real swarm
+
+
+@pytest.mark.swarm
+def test_two_sites_with_overlapped_rounds_hold_the_same_global_models(swarm: Any, tmp_path: Any) -> None:
+    """Two real sites, both in a window all along, averaging beside training: every round both applied
+    leaves them with the same global parameters, bit for bit, and the round log shows that the sites
+    trained while their rounds ran."""
+    import json
+
+    from greenswarm.node.round_log import read_rounds
+    from tests.conftest import site_config, write_trace
+
+    speedup, sync_s = 120.0, 600.0  # a round every 5 wall seconds
+    trace = write_trace(tmp_path / "trace.csv", {"A": [50.0] * 13, "B": [50.0] * 13})  # 1 h, all green
+    peers = swarm.bootstrap()
+    start_file = tmp_path / "start"
+    names = ["site-a", "site-b"]
+    for i, name in enumerate(names):
+        cfg = site_config(
+            name,
+            "AB"[i],
+            trace,
+            peers,
+            tmp_path / name,
+            speedup=speedup,
+            start_file=start_file,
+            sync_s=sync_s,
+            shard=i,
+            shards=2,
+            averaging={"overlap": True},
+            node={"keep_globals": 100},
+        )
+        swarm.node(name, swarm.write_config(name, cfg), env=None)
+    start_wall = swarm.start_replay(names, start_file)
+    for name in names:
+        code = swarm.wait(name, timeout=start_wall + 3600 / speedup + 120 - time.time())
+        assert code == 0, swarm.log(name)[-3000:]
+
+    summaries = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in names}
+    for name in names:
+        assert summaries[name]["federated_rounds"] >= 3, summaries[name]
+        applied = [e for e in read_rounds(tmp_path / name / "rounds.jsonl") if e["action"] == "apply"]
+        assert sum(e["steps_meanwhile"] for e in applied) > 0, applied  # it trained while they averaged
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    for name in names:
+        for path in (tmp_path / name / "globals").glob("outer-*.pt"):
+            kept.setdefault(path.stem, {})[name] = torch.load(path)
+    shared = {step: by_site for step, by_site in kept.items() if len(by_site) == 2}
+    assert len(shared) >= 3, sorted(kept)
+    for step, (a, b) in ((s, tuple(v.values())) for s, v in shared.items()):
+        assert torch.equal(a, b), step
