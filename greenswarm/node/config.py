@@ -21,6 +21,7 @@ from greenswarm.node.data import DataConfig
 from greenswarm.node.evaluation import EvalConfig
 from greenswarm.node.model import ModelConfig
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
+from greenswarm.traces import Trace, load_trace
 
 _SITE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -157,6 +158,16 @@ class SiteConfig:
                 self.eval.check_against(self.data)
             except ConfigError as e:
                 raise e.located("eval") from None
+
+    def load_trace(self) -> Trace:
+        """The site's trace, refused when it lacks the site's region (which only the file can tell)."""
+        trace = load_trace(self.scheduler.trace, **self.scheduler.trace_options())
+        if self.region not in trace.regions:
+            raise ConfigError(
+                f"{self.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
+                field="region",
+            )
+        return trace
 
 
 def load_site_config(path: str | Path | None, overrides: list[str] | None = None) -> SiteConfig:

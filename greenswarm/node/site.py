@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from greenswarm.averaging.outer import OuterOptimizer
-from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
@@ -37,14 +36,13 @@ from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import StateSync
-from greenswarm.node.telemetry import progress_record, status_line, summary, write_summary
+from greenswarm.node.telemetry import StatusLine, log_transition, progress_record, summary, write_summary
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import WAITING_FOR_START, make_clock
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
 from greenswarm.timefmt import utc_minute
-from greenswarm.traces import load_trace
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
 
@@ -60,21 +58,11 @@ class SiteNode:
         self.started = time.monotonic()
 
         # windows, clock, energy: every rank knows them; only rank 0 acts on them
-        trace = load_trace(cfg.scheduler.trace, **cfg.scheduler.trace_options())
-        if cfg.region not in trace.regions:
-            raise ConfigError(
-                f"{cfg.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",
-                field="region",
-            )
-        self.trace = trace
+        self.trace = trace = cfg.load_trace()
         self.schedule = WindowSchedule(trace, cfg.region, cfg.scheduler.window_policy())
         self.clock = make_clock(cfg.scheduler.clock, trace.start)
-        self.ledger = EnergyLedger(
-            trace,
-            cfg.region,
-            make_power_model(cfg.energy, on_gpu=self.world.device.type == "cuda"),
-            start=self.clock.now(),
-        )
+        power = make_power_model(cfg.energy, on_gpu=self.world.device.type == "cuda")
+        self.ledger = EnergyLedger(trace, cfg.region, power, start=self.clock.now())
         self.faults = FaultPlan.from_env()
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
@@ -95,7 +83,7 @@ class SiteNode:
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
         self._slot = -1
         self._begin_s = 0.0  # how long beginning the round in flight held training up
-        self._last_log = 0.0
+        self._status = StatusLine(cfg.node.log_every_s)
 
     # ------------------------------------------------------------------ public
 
@@ -148,12 +136,7 @@ class SiteNode:
         new = decide_state(in_window, len(self.swarm.view.others_in_window()))
         if new is not self.state:
             old, self.state = self.state, new
-            window = self.schedule.current(now)
-            until = f" (window until {utc_minute(window.end)})" if window else ""
-            steps = self.stats.local_steps
-            self.log.info(
-                "%s -> %s at %s%s after %d local steps", old.value, new.value, utc_minute(now), until, steps
-            )
+            log_transition(self, old, now)
             if new is IDLE:
                 self._finish_round()  # leaving the window: the round in flight ends first
             if old is IDLE:
@@ -253,16 +236,8 @@ class SiteNode:
             cfg, outer.numel, self.global_state.served, self.faults, self.log
         )
         self.peer_id = self.swarm.peer_id
-        self.federation = Federation(
-            self.swarm.averager,
-            self.swarm.digests,
-            averaging,
-            cfg.name,
-            self.peer_id,
-            self.faults,
-            self.started,
-            self.log,
-        )
+        parts = (self.swarm.averager, self.swarm.digests, averaging, cfg.name, self.peer_id)
+        self.federation = Federation(*parts, self.faults, self.started, self.log)
         self.round_handler = RoundHandler(
             self.global_state, self.ranks, self.federation, self.sync, self.stats, self.peer_id, self.log
         )
@@ -289,9 +264,7 @@ class SiteNode:
         if self.swarm is not None:
             self.swarm.entry.poll()
             self.swarm.publisher.maybe_publish(lambda: progress_record(self), force=force)
-        if time.monotonic() - self._last_log >= self.cfg.node.log_every_s:
-            self._last_log = time.monotonic()
-            self.log.info("%s", status_line(self))
+        self._status.maybe_log(self)
 
     def _sleep_until_window(self, now: float) -> None:
         """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps)."""

@@ -117,3 +117,29 @@ def write_summary(node: RunningSite, path: Path) -> dict[str, Any]:
     headline = {k: result[k] for k in ("outer_round", "tokens", "energy_kwh", "emissions_g")}
     node.log.info("finished: %s", json.dumps(headline))
     return result
+
+
+def log_transition(node: RunningSite, old: SiteState, now: float) -> None:
+    """Say that the site moved from ``old`` to its current state at clock time ``now``, and why."""
+    window = node.schedule.current(now)
+    until = f" (window until {utc_minute(window.end)})" if window else ""
+    node.log.info(
+        "%s -> %s at %s%s after %d local steps",
+        old.value,
+        node.state.value,
+        utc_minute(now),
+        until,
+        node.stats.local_steps,
+    )
+
+
+class StatusLine:
+    """The periodic log line (:func:`status_line`), every ``every_s`` wall seconds at most."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self.last = every_s, 0.0
+
+    def maybe_log(self, node: RunningSite) -> None:
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            node.log.info("%s", status_line(node))
