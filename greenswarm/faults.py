@@ -18,6 +18,9 @@ Behavioural faults, ``POINT@N``:
 * ``poison-part`` -- send 1000x the second half of this site's pseudo-gradient (the first half
   clean) while claiming the clean norm: the reducers of the clean half accept their parts, the others
   refuse theirs. No member may apply that round (the refusing reducers void it for everyone).
+* ``drop-part`` -- send none of this site's parts to the first groupmate it would send them to, as
+  when that stream breaks: that reducer has lost the site midway, and no member may apply the round
+  (the reducer voids it for everyone, instead of averaging its slice without the site).
 
 Process faults, ``ACTION:POINT@N`` with ACTION ``kill`` (SIGKILL) or ``stop`` (SIGSTOP), applied to
 the *whole site* at once -- the node, its hivemind processes and their p2pd daemons -- as when a
@@ -56,7 +59,7 @@ from greenswarm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV = "GREENSWARM_FAULTS"
-BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale", "poison-part")
+BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale", "poison-part", "drop-part")
 PROCESS_POINTS = ("step", "matchmaking", "allreduce", "checkpoint", "serve-state")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

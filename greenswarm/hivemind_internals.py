@@ -83,7 +83,12 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "register_processed_part",
         "register_failed_reducer",
     ),
-    "hivemind.averaging.partition:TensorPartReducer": ("finished", "accumulate_part", "num_parts"),
+    "hivemind.averaging.partition:TensorPartReducer": (
+        "finished",
+        "accumulate_part",
+        "num_parts",
+        "num_parts_received",
+    ),
     # greenswarm.node.rejoin: re-dial the entry points through the daemon's client
     "hivemind.p2p.p2p_daemon:P2P": ("_client", "FORCE_REACHABILITY_MAPPING"),
 }

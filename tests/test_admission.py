@@ -293,3 +293,22 @@ def _poll_sites(dht: object, want: set[str], timeout: float = 15.0) -> set[str]:
             return seen
         time.sleep(0.3)
     return seen
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("swarm", ["drop-part@1"], indirect=True)
+def test_a_member_lost_midway_is_averaged_in_nowhere(swarm: dict[str, Peer], tmp_path: Path) -> None:
+    """A reducer that loses a sender before all its parts are in (here: none of them arrive, as when
+    the stream broke) must not finish its slice without it: the others would apply an average holding
+    the sender's update in every other slice, and the sender -- whose own round failed -- could not
+    tell which part of its update went in. The reducer voids the round for every member instead."""
+    a, b, p = swarm["a"], swarm["b"], swarm["p"]
+    got = _round([a, b, p], _deltas(3, 3), "l1")
+    assert not any(o.ok for o in got), [o.reason for o in got]
+    lost = [o.reason for o in got[:2] if f"lost {p.peer_id}'s update midway" in o.reason]
+    assert lost, [o.reason for o in got]  # the honest members say why, naming the lost member
+    assert "fault injected: drop-part" in (tmp_path / "peers.log").read_text()
+
+    # the next round (nothing dropped) averages all three as usual
+    again = _round([a, b, p], _deltas(4, 3), "l2")
+    assert all(o.ok for o in again), [o.reason for o in again]

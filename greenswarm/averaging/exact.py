@@ -20,6 +20,10 @@ own values. Two things follow, and both make sites drift apart silently:
   refused sender, and every member's round fails. A refusal can only drop a sender from then on, in
   the refusing reducer's slice; the sender's earlier parts there, and its parts in other reducers'
   slices, would otherwise stay in an average that the honest members apply;
+* a reducer that loses a sender midway (its stream broke, or it fell silent, before all its parts
+  were in) voids its slice the same way, with a message naming the lost sender, instead of finishing
+  the slice without it: the others would otherwise apply an average holding part of that sender's
+  update, and the sender (whose own round failed) could not tell which part;
 * the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
   the stream open until then. hivemind's reducer closes its end right after its last reply, and the
   p2p daemon then now and then resets the stream before that reply is delivered (roughly one stream
@@ -34,6 +38,7 @@ digest check (:mod:`greenswarm.averaging.agreement`) would expose it as disagree
 from __future__ import annotations
 
 import asyncio
+import logging
 import typing
 from collections.abc import AsyncIterator, Callable
 
@@ -48,9 +53,13 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 from greenswarm.averaging.screening import screen_part
 from greenswarm.faults import FaultPlan
 
+log = logging.getLogger(__name__)
+
 LINGER_LIMIT_S = 10.0
 """How long a reducer holds a stream open for a sender that has all its parts but has not closed
 (used when the runner has no reducer timeout): a sender that died never closes."""
+#: codes that, with a sender's id, void a slice: that sender was refused, or lost midway
+VOID_CODES = (averaging_pb2.PROTOCOL_VIOLATION, averaging_pb2.INTERNAL_ERROR)
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -75,6 +84,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._own_refusal: str | None = None  # this site's own part failed its claim: its round fails
         # (refused sender, refusing reducer) once any reducer refused a part: the round is void everywhere
         self._void: tuple[PeerID, PeerID] | None = None
+        # (lost sender, reducer that lost it) once any reducer lost a sender midway: void everywhere too
+        self._lost: tuple[PeerID, PeerID] | None = None
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
@@ -108,6 +119,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             who = "this site" if reducer == self.peer_id else str(reducer)
             raise AllreduceException(
                 f"{who} refused a part of {sender}'s update: the round is void for every member"
+            )
+        if self._lost is not None:
+            sender, reducer = self._lost
+            who = "this site" if reducer == self.peer_id else str(reducer)
+            raise AllreduceException(
+                f"{who} lost {sender}'s update midway (its parts stopped): the round is void for every member"
             )
         failed = self.tensor_part_container.failed_size
         if failed:
@@ -149,7 +166,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         stream = None
         try:
             done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            parts = self._generate_input_for_peer(peer_index)
+            if self._faults.fires("drop-part"):  # as if the stream to this reducer broke before any part
+                log.warning("fault injected: drop-part (none of this site's parts reach %s)", peer_id)
+                parts = _no_parts()
+            inputs = attach_event_on_finished(parts, done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
@@ -160,6 +181,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     self._void = self._void or (sender, peer_id)
                     self._on_refused(str(sender), f"{peer_id}'s reducer refused a part of its update")
                     raise AllreduceException(f"{peer_id} refused a part of {sender}'s update")
+                if message.code == averaging_pb2.INTERNAL_ERROR and message.peer_id:  # a sender lost there
+                    self._lost = self._lost or (PeerID(message.peer_id), peer_id)
+                    raise AllreduceException(f"{peer_id} lost {PeerID(message.peer_id)}'s update midway")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     code = averaging_pb2.MessageCode.Name(message.code)
                     raise AllreduceException(f"{peer_id} sent {code}")
@@ -190,7 +214,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
             replies += message.code == averaging_pb2.AVERAGED_PART
-            voided = voided or message.code == averaging_pb2.PROTOCOL_VIOLATION
+            voided = voided or (message.code in VOID_CODES and bool(message.peer_id))
         if voided or (replies and replies == self.tensor_part_reducer.num_parts):
             await self._linger()  # (a void slice's message must reach the sender as surely as a part)
 
@@ -205,9 +229,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._void = (sender, self.peer_id)
 
     def _void_message(self) -> averaging_pb2.AveragingData:
-        """What a sender gets in place of an averaged part of a void slice: the refused sender's id."""
-        sender, _reducer = self._void
-        return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION, peer_id=sender.to_bytes())
+        """What a sender gets in place of an averaged part of a void slice: the refused sender's id (a
+        protocol violation), or the lost sender's (an internal error)."""
+        code = averaging_pb2.PROTOCOL_VIOLATION if self._void is not None else averaging_pb2.INTERNAL_ERROR
+        sender, _reducer = self._void or self._lost
+        return averaging_pb2.AveragingData(code=code, peer_id=sender.to_bytes())
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
@@ -228,8 +254,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     )
                 except BannedException:  # the sender was banned meanwhile: it no longer gets results
                     break
-                if self._void is not None:  # another sender's part was refused: the slice is void
-                    yield self._void_message()
+                if self._void is not None or self._lost is not None:  # another sender's part was refused,
+                    yield self._void_message()  # or another sender was lost: the slice is void
                     break
                 if part_index == 0:
                     self._faults.hit("allreduce")  # mid all-reduce: a groupmate's part is in this reducer
@@ -239,3 +265,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        """hivemind's ban of a sender whose stream broke or fell silent -- which, before all of its parts
+        were in, voids this reducer's slice (see the module). Marked before the ban: the ban completes
+        the part the other senders wait on, and each of them then gets the void message instead."""
+        received = self.tensor_part_reducer.num_parts_received[self.sender_peer_ids.index(peer_id)]
+        if received < self.tensor_part_reducer.num_parts and self._void is None and self._lost is None:
+            self._lost = (peer_id, self.peer_id)
+        await super()._ban_sender(peer_id)
+
+
+async def _no_parts() -> AsyncIterator[averaging_pb2.AveragingData]:
+    """An empty stream of parts (the ``drop-part`` fault)."""
+    return
+    yield  # (an async generator that yields nothing)

@@ -124,7 +124,7 @@ class RoundHandler:
         sites in a window, asked right before averaging."""
         if not federated:
             delta = self.state.pseudo_gradient(self.ranks.gather())
-            self._step(delta, slot, [self.peer_id])
+            self._step(delta, slot, [self.peer_id], solo=True)
             return RoundEnd("solo", slot, moved=True)
         self.begin(slot, partners, background=False)
         return self.finish()
@@ -208,14 +208,19 @@ class RoundHandler:
         self.stats.tokens_since_sync = max(0, self.stats.tokens_since_sync - held.tokens)
 
     def _step(
-        self, averaged: torch.Tensor, slot: int, members: list[str], since: torch.Tensor | None = None
+        self,
+        averaged: torch.Tensor,
+        slot: int,
+        members: list[str],
+        since: torch.Tensor | None = None,
+        solo: bool = False,
     ) -> None:
         """Apply an outer step, load the new global parameters (plus the local progress ``since`` the
         round's snapshot) into every rank, and say so."""
         self.state.apply(averaged, slot, members)
         self.sync.moved()
         self.ranks.load(self.state.params if since is None else self.state.params + since)
-        if len(members) == 1:  # (a federated round moved its tokens into the round at its snapshot)
+        if solo:  # (a federated round moved its tokens into the round at its snapshot)
             self.stats.tokens_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
         self.log.info(

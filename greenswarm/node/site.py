@@ -172,7 +172,8 @@ class SiteNode:
     def _finish_round(self) -> None:
         """Act on the round in flight, if there is one (waiting for its result when it has none yet)."""
         if self.round_handler.in_flight is not None:
-            self._after_round(self.round_handler.finish(), time.monotonic() - self._begin_s)
+            began = time.monotonic() - self._begin_s  # (waiting for the result holds training up too)
+            self._after_round(self.round_handler.finish(), began)
 
     def _after_round(self, end: RoundEnd, began: float) -> None:
         """What follows a round's end at this site: the new global model's checkpoint and record, the
