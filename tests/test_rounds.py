@@ -682,3 +682,24 @@ def test_an_all_reduce_that_runs_out_of_time_says_so() -> None:
     finally:
         DecentralizedAverager._aggregate_with_group = original
     assert averager_module._describe(TimeoutError()) == "timed out"
+
+
+def test_of_two_remembered_rounds_the_one_in_the_adopted_state_is_settled() -> None:
+    """Two rounds in a row that this site did not apply (the second with a group that formed on its
+    old state): a state holding the first must not get the first's update a second time because the
+    second was remembered after it."""
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, theirs, lineage = _split_round(stats)
+    handler_.end(True, 7, lambda: 2)  # round 7: the others applied it; this site did not
+    ranks.local -= 0.1
+    second = _failed_after_sending()
+    second.slot = 8
+    handler_.federation.averager.outcomes.append(second)
+    handler_.end(True, 8, lambda: 2)  # round 8, on its old state: failed after sending, too
+    assert [r.slot for r in handler_.sync.pending_rounds] == [7, 8]
+    ranks.local -= 0.1
+    handler_.sync.download, head = _served_after(lineage, theirs - 0.2)
+    assert handler_.sync.catch_up(FakeView(head), in_window_only=True)
+    # only round 7's 0.5 was in their step: the 0.2 trained since stays on top of it
+    torch.testing.assert_close(ranks.local, theirs - 0.2 - 0.2)
+    assert handler_.sync.pending_rounds == []

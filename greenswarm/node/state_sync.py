@@ -19,7 +19,8 @@ the error feedback to carry). A state that does not descend from it (the others 
 too, or averaged later rounds without this site) gets the whole local progress. A site must not
 take a SOLO step while it remembers such a round without first catching up (see
 :meth:`~greenswarm.node.round_handling.RoundHandler.catch_up_due`): its step would fork the swarm's
-lineage and carry the update a second time. The remembered round is checkpointed with the state.
+lineage and carry the update a second time. The remembered rounds (the last :data:`MAX_PENDING`) are
+checkpointed with the state.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from greenswarm.node.swarm_view import SwarmView, state_key
 
 #: (metadata, tensors) from the first of the given peers that served its state, or None
 Download = Callable[[Sequence[str]], tuple[dict[str, Any], list[torch.Tensor]] | None]
+
+
+#: how many remembered rounds a site keeps (each is a model-sized update: rounds are minutes apart, and
+#: a site that keeps failing rounds catches up long before this many pile up)
+MAX_PENDING = 4
 
 
 @dataclass
@@ -78,7 +84,9 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
-        self.pending_round: PendingRound | None = None
+        # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
+        # adopted state can hold at most one of them: each forked from this site's state then)
+        self.pending_rounds: list[PendingRound] = []
         #: called with a remembered round found applied in an adopted state (see the module's docstring)
         self.on_settled: Callable[[PendingRound], None] | None = None
 
@@ -94,20 +102,25 @@ class StateSync:
         ``tokens`` tokens, coded with ``residual`` left out) in it; ``lineage``: the state's lineage
         after that step."""
         kept = residual.clone() if residual is not None else None
-        self.pending_round = PendingRound(slot, lineage, delta.clone(), tokens, kept)
+        self.pending_rounds.append(PendingRound(slot, lineage, delta.clone(), tokens, kept))
+        del self.pending_rounds[:-MAX_PENDING]
+
+    @property
+    def pending_round(self) -> PendingRound | None:
+        """The last remembered round (None: none is)."""
+        return self.pending_rounds[-1] if self.pending_rounds else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The remembered round, for a checkpoint (a restart must not forget it)."""
-        return {"pending_round": self.pending_round.state_dict() if self.pending_round else None}
+        """The remembered rounds, for a checkpoint (a restart must not forget them)."""
+        return {"pending_rounds": [held.state_dict() for held in self.pending_rounds]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        held = state.get("pending_round")
-        self.pending_round = PendingRound(**held) if held else None
+        self.pending_rounds = [PendingRound(**held) for held in state.get("pending_rounds", [])]
 
     def moved(self) -> None:
         """This site's global state moved by a step of its own: a remembered round is moot (adopting a
         state that descends from it replaces that step, and the progress in it, altogether)."""
-        self.pending_round = None
+        self.pending_rounds.clear()
 
     def catch_up(self, view: SwarmView, in_window_only: bool) -> bool:
         """If a live site holds a more advanced global state, adopt it and keep local progress on top."""
@@ -177,9 +190,9 @@ class StateSync:
         if on_top is not None and pending is None:
             pending = -on_top
         self.state.adopt(meta, tensors)
-        held = self.pending_round
-        self.pending_round = None
-        if keep_pending and held is not None and self.state.descends_from(held.lineage):
+        held = next((r for r in reversed(self.pending_rounds) if self.state.descends_from(r.lineage)), None)
+        self.pending_rounds.clear()  # the others are not in this state, nor in any that descends from it
+        if keep_pending and held is not None:
             pending -= held.delta  # already in the adopted state: keep only what came after the round
             if self.on_settled is not None:
                 self.on_settled(held)
