@@ -327,7 +327,7 @@ class SwarmAverager(DecentralizedAverager):
         try:
             averaged = [tensor async for tensor in runner]  # all or nothing: run() raises on a failed part
         except Exception as e:  # hivemind reports only a step's last attempt: say what ended this one
-            log.warning("all-reduce with %s failed: %s", _names(users), e)
+            log.warning("all-reduce with %s failed: %s", ", ".join(_name(p, u) for p, u in users), e)
             raise
         n = len(group_info.peer_ids)
         report.seconds = time.monotonic() - started
@@ -478,10 +478,6 @@ class SwarmAverager(DecentralizedAverager):
     def _call(self, method: str, wait_s: float = 30.0, **kwargs: Any) -> Any:
         """Run ``method`` in the averager process and wait for its result."""
         return seam.call_averager(self, method, wait_s, **kwargs)
-
-
-def _names(users: list[tuple[str, Any]]) -> str:
-    return ", ".join(_name(peer, user) for peer, user in users)
 
 
 def _name(peer: str, user: Any) -> str:
