@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import REGIONS, _kill_session, write_trace  # noqa: E402  (a sibling script)
+from throughput import REGIONS, _kill_session, plain_tokens_per_s, write_trace  # noqa: E402  (a sibling)
 
-SKIP_STEPS = 2  # steps left out at the start of each measurement (allocator and data warm-up)
+SKIP_STEPS = 2  # steps left out at the start of a site's measurement (allocator and data warm-up)
 SPEEDUP = 10.0  # replay speed: a round every --sync wall seconds is --sync * SPEEDUP clock seconds
 BATCH, THREADS = 8, 1
 
@@ -49,33 +49,8 @@ BATCH, THREADS = 8, 1
 
 
 def run_plain_worker(preset: str, seconds: float, out: str) -> int:
-    """``--plain``: a bare torch loop on the node's model and data for ``seconds``: its tokens/s."""
-    import torch
-
-    from greenswarm.node.data import DataConfig, TokenBatches
-    from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss
-    from greenswarm.node.tokenizer import ByteTokenizer
-
-    torch.set_num_threads(THREADS)
-    model = build_model(ModelConfig(preset=preset), ByteTokenizer.vocab_size)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    batches = iter(TokenBatches(DataConfig(), ByteTokenizer(), BATCH))
-    tokens, times = 0, []
-    started = time.monotonic()
-    while not times or times[-1] - started < seconds or len(times) < SKIP_STEPS + 2:
-        batch = next(batches)
-        loss = causal_lm_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        float(loss.detach())
-        times.append(time.monotonic())
-        if len(times) > SKIP_STEPS:
-            tokens += batch.shape[0] * (batch.shape[1] - 1)
-    elapsed = times[-1] - times[SKIP_STEPS]
-    Path(out).write_text(json.dumps({"tokens_per_s": tokens / elapsed, "steps": len(times) - SKIP_STEPS}))
+    """``--plain``: a bare torch loop on the node's model and data for ``seconds`` (throughput.py's)."""
+    Path(out).write_text(json.dumps(plain_tokens_per_s(seconds, preset)))
     return 0
 
 

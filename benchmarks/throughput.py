@@ -45,8 +45,8 @@ REGIONS = ("BENCH_A", "BENCH_B", "BENCH_C", "BENCH_D")
 # --------------------------------------------------------------------------------------- plain torch
 
 
-def plain_tokens_per_s(seconds: float) -> dict[str, float]:
-    """A bare torch training loop on the node's model and data: tokens/s over ``seconds``."""
+def plain_tokens_per_s(seconds: float, preset: str = "tiny") -> dict[str, float]:
+    """A bare torch training loop on the node's model (``preset``) and data: tokens/s over ``seconds``."""
     import torch
 
     from greenswarm.node.data import DataConfig, TokenBatches
@@ -54,7 +54,7 @@ def plain_tokens_per_s(seconds: float) -> dict[str, float]:
     from greenswarm.node.tokenizer import ByteTokenizer
 
     torch.set_num_threads(1)
-    model = build_model(ModelConfig(), ByteTokenizer.vocab_size)
+    model = build_model(ModelConfig(preset=preset), ByteTokenizer.vocab_size)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     batches = iter(TokenBatches(DataConfig(), ByteTokenizer(), 8))
