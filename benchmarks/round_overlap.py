@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import REGIONS, _kill_session, plain_tokens_per_s, write_trace  # noqa: E402  (a sibling)
+from throughput import REGIONS, _kill_session, plain_tokens_per_s, run_node, write_trace  # noqa: E402  (a sibling)
 
 SKIP_STEPS = 2  # steps left out at the start of a site's measurement (allocator and data warm-up)
 SPEEDUP = 10.0  # replay speed: a round every --sync wall seconds is --sync * SPEEDUP clock seconds
@@ -60,9 +60,8 @@ def run_plain_worker(preset: str, seconds: float, out: str) -> int:
 def run_site_worker(config: str, out: str) -> int:
     """``--site``: one real site node, recording each training step's start and end and each change of
     state. Nothing else about the node changes."""
-    from greenswarm.node.config import load_site_config
     from greenswarm.node.site import SiteNode
-    from greenswarm.procs import on_termination, reap_children, setup_logging
+    from greenswarm.procs import setup_logging
 
     setup_logging()
     steps: list[tuple[float, float]] = []
@@ -80,12 +79,7 @@ def run_site_worker(config: str, out: str) -> int:
                 states.append((time.monotonic(), state.value))
             return state
 
-    node = TimedSite(load_site_config(config))
-    on_termination(node.request_stop)
-    try:
-        summary = node.run()
-    finally:
-        reap_children()
+    node, summary = run_node(TimedSite, config)
     record = {
         "summary": summary,
         "steps": steps,

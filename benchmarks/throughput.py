@@ -91,9 +91,8 @@ def plain_tokens_per_s(seconds: float, preset: str = "tiny") -> dict[str, float]
 
 def run_site_worker(config: str, out: str) -> int:
     """``--site``: run one real site node from ``config``, recording when each step and round ended."""
-    from greenswarm.node.config import load_site_config
     from greenswarm.node.site import SiteNode
-    from greenswarm.procs import on_termination, reap_children, setup_logging
+    from greenswarm.procs import setup_logging
 
     setup_logging()
 
@@ -112,12 +111,7 @@ def run_site_worker(config: str, out: str) -> int:
             super()._end_round(state)
             self.rounds.append((started, time.monotonic(), state.value))
 
-    node = TimedSite(load_site_config(config))
-    on_termination(node.request_stop)
-    try:
-        summary = node.run()
-    finally:
-        reap_children()
+    node, summary = run_node(TimedSite, config)
     Path(out).write_text(
         json.dumps(
             {
@@ -129,6 +123,20 @@ def run_site_worker(config: str, out: str) -> int:
         )
     )
     return 0
+
+
+def run_node(node_class: Any, config: str) -> tuple[Any, dict[str, Any] | None]:
+    """Run a site node of ``node_class`` (SiteNode or a timed subclass) from ``config`` to its end, as
+    ``greenswarm node`` would (clean stop on SIGTERM, children reaped); the node and its summary."""
+    from greenswarm.node.config import load_site_config
+    from greenswarm.procs import on_termination, reap_children
+
+    node = node_class(load_site_config(config))
+    on_termination(node.request_stop)
+    try:
+        return node, node.run()
+    finally:
+        reap_children()
 
 
 def write_trace(path: Path, regions: list[str], clock_seconds: float) -> Path:
