@@ -18,7 +18,7 @@ Behavioural faults, ``POINT@N``:
 * ``poison-part`` -- send 1000x the second half of this site's pseudo-gradient (the first half
   clean) while claiming the clean norm: the reducers of the clean half accept their parts, the others
   refuse theirs. No member may apply that round (the refusing reducers void it for everyone).
-* ``drop-part`` -- send none of this site's parts to the first groupmate it would send them to, as
+* ``drop-part`` -- send none of this site's parts to the first groupmate that reduces some, as
   when that stream breaks: that reducer has lost the site midway, and no member may apply the round
   (the reducer voids it for everyone, instead of averaging its slice without the site).
 
