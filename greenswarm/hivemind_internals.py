@@ -91,6 +91,8 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     ),
     # greenswarm.node.rejoin: re-dial the entry points through the daemon's client
     "hivemind.p2p.p2p_daemon:P2P": ("_client", "FORCE_REACHABILITY_MAPPING"),
+    # greenswarm.node.supervisor: each forked node gets cross-process locks of its own
+    "hivemind.utils.mpfuture:MPFuture": ("reset_backend",),
 }
 
 
@@ -116,6 +118,24 @@ def add_p2pd_mode(name: str, flags: dict[str, Any]) -> None:
 async def dial(p2p: Any, peer: Any, addr: Any) -> None:
     """Connect the daemon to ``peer`` at ``addr`` (hivemind's P2P has no public dial)."""
     await p2p._client.connect(peer, [addr])
+
+
+def fresh_future_locks() -> None:
+    """Give this process, and every helper it forks from now on, hivemind's cross-process future locks
+    of its own.
+
+    hivemind makes them once, at import (a ``multiprocessing.Lock`` is a semaphore in shared memory), so
+    every process forked from the importer shares them. A process killed while it holds one -- a
+    helper of a crashed node, SIGKILLed or ended by ``os._exit`` in the middle of sending a result --
+    leaves it held for good, and then every later sender blocks forever: a supervised node forked
+    again after a crash hung in ``DHT.wait_until_ready`` because its new DHT process waited on the
+    dead helper's lock to report that it was ready. Call it right after a fork, before any hivemind
+    part starts: hivemind's reset also drops the process's future backend (its result pipe), which a
+    freshly forked process would make anew anyway, but which would break futures already pending.
+    """
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
 
 
 def set_group(averager: Any, bits: str, target: int) -> None:

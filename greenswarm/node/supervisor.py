@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from greenswarm.hivemind_internals import fresh_future_locks
 from greenswarm.procs import reap_children
 
 log = logging.getLogger("greenswarm.supervisor")
@@ -77,6 +78,7 @@ def supervise(
                 signal.signal(sig, signal.SIG_DFL)
             code = 1
             try:
+                fresh_future_locks()  # not the ones a killed predecessor's helper may have died holding
                 code = run_node()
             except BaseException:  # a crash: say where, as Python would have
                 traceback.print_exc()
@@ -89,6 +91,7 @@ def supervise(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
+        _collect_exited()
         if os.WIFEXITED(status):
             return os.WEXITSTATUS(status)
         signum = os.WTERMSIG(status)
@@ -111,6 +114,19 @@ def supervise(
             max_restarts,
             window_s,
         )
+
+
+def _collect_exited() -> None:
+    """Collect the exit status of every child that has ended, so none stays a zombie: as a subreaper
+    this process inherits helpers it did not start (torch's shared-memory manager ends by itself,
+    after the reaping) and nothing else would wait for them."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children left
+            return
+        if pid == 0:  # children left, none ended yet
+            return
 
 
 def _wait(pid: int) -> int:
