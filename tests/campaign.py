@@ -129,8 +129,12 @@ def _count_session(pid: int) -> int:
 class Campaign:
     """Runs the sites of one campaign under a :class:`~tests.conftest.Swarm` harness."""
 
-    def __init__(self, swarm: Swarm, workdir: Path, faults: list[Fault], fire_timeout_s: float = 90.0):
+    def __init__(
+        self, swarm: Swarm, workdir: Path, faults: list[Fault], fire_timeout_s: float = 90.0, **sections: Any
+    ):
+        """``sections``: more config for every site (e.g. ``averaging={"overlap": True}``)."""
         self.swarm, self.workdir = swarm, workdir
+        self.sections = sections
         self.queue = {site: [f for f in faults if f.site == site] for site in SITES}
         self.results: list[FaultResult] = []
         self.fire_timeout_s = fire_timeout_s
@@ -151,7 +155,7 @@ class Campaign:
             node = {"progress_ttl_s": 4.0, "restart": "never"}
             cfg = site_config(
                 site, "GREEN", trace, peers, self.workdir / site, speedup=SPEEDUP, start_file=start_file,
-                sync_s=SYNC_S, shard=i, shards=len(SITES), node=node,
+                sync_s=SYNC_S, shard=i, shards=len(SITES), node=node, **self.sections,
             )  # fmt: skip
             self.configs[site] = self.swarm.write_config(site, cfg)
             self._spawn(site)

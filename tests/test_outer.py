@@ -155,3 +155,16 @@ def test_group_bits_separate_lineages() -> None:
     """Sites with different global states (or rounds) must not land in the same averaging group."""
     lineages = [GENESIS] + [next_lineage(GENESIS, r, ["p"]) for r in range(20)]
     assert len({group_bits(lin) for lin in lineages}) == len(lineages)
+
+
+def test_the_global_digest_is_hashed_once_per_state_and_follows_every_change() -> None:
+    """A cached digest is what hashing the parameters now gives, after an applied step and an adoption."""
+    from greenswarm.node.global_state import GlobalState
+
+    state = GlobalState(OuterOptimizer(torch.zeros(8), lr=0.7, momentum=0.9, nesterov=True), "a")
+    first = state.digest()
+    assert state.digest() == first == state.outer.digest()
+    state.apply(torch.full((8,), 0.1), slot=1, members=["p"])
+    assert state.digest() == state.outer.digest() != first
+    state.adopt({"outer_round": 0, "lineage": "genesis", "round_index": -1}, [torch.zeros(8), torch.zeros(8)])
+    assert state.digest() == first

@@ -594,7 +594,7 @@ class _Ledger:
 
 
 class _SavingRanks(FakeRanks):
-    def save(self) -> dict[str, Any]:
+    def save(self, own: bool = False) -> dict[str, Any]:
         return {"local": self.local.clone()}
 
     def restore(self, payload: dict[str, Any]) -> None:

@@ -89,7 +89,7 @@ class OuterOptimizer:
 
     def digest(self) -> str:
         """A short digest of the global parameters (for logs and tests, not for consensus)."""
-        return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()[:12]
+        return hashlib.sha256(self.params.numpy()).hexdigest()[:12]  # (hashed in place, not copied)
 
 
 GENESIS = "genesis"

@@ -224,19 +224,30 @@ class BestCheckpoints:
         ``evaluate`` computes the held-out loss of the model just checkpointed (under torchrun, a
         collective all ranks must join: the node broadcasts the operation before calling it).
         """
+        loss = self.measure(outer_round, evaluate)
+        self.keep_if_best(outer_round, lineage, loss)
+        return loss
+
+    def measure(self, outer_round: int, evaluate: Callable[[], float]) -> float | None:
+        """The held-out loss of outer step ``outer_round`` when an evaluation is due, else None (the
+        loop's part: it needs the model as it is)."""
         if not self.due(outer_round):
             return None
         loss = float(evaluate())
         self.last_round = outer_round
         if not math.isfinite(loss):
             log.warning("held-out loss of outer step %d is %s; its checkpoint is not kept", outer_round, loss)
-            return loss
-        if self.cfg.keep_best:
-            try:
-                self.keep(outer_round, lineage, loss)
-            except OSError as e:  # a full or read-only disk must not stop training
-                log.warning("could not keep outer step %d in %s: %s", outer_round, self.directory, e)
         return loss
+
+    def keep_if_best(self, outer_round: int, lineage: str, loss: float | None) -> None:
+        """Keep ``checkpoint.pt`` (outer step ``outer_round``'s, written by now) when ``loss`` is among
+        the best (the part that needs the file, which a background writer runs after writing it)."""
+        if loss is None or not math.isfinite(loss) or not self.cfg.keep_best:
+            return
+        try:
+            self.keep(outer_round, lineage, loss)
+        except OSError as e:  # a full or read-only disk must not stop training
+            log.warning("could not keep outer step %d in %s: %s", outer_round, self.directory, e)
 
     # ---- keeping files
 

@@ -39,6 +39,7 @@ class GlobalState:
         self.recent_update_norm = 0.0  # norm of the last update applied (the scale the group screens by)
         self.ancestors: deque[str] = deque(maxlen=ANCESTORS)  # earlier lineages, oldest first
         self.lock = threading.Lock()
+        self._digest: str | None = None  # of the parameters as they are: apply and adopt forget it
 
     @property
     def params(self) -> torch.Tensor:
@@ -58,8 +59,15 @@ class GlobalState:
         return state_key(self.outer_round, self.lineage)
 
     def digest(self) -> str:
-        """A short digest of the global parameters, for logs and records."""
-        return self.outer.digest()
+        """A short digest of the global parameters, for logs and records: hashed once per state (a
+        ~100 M-parameter model takes a noticeable part of a second), not at every line that names it."""
+        cached = self._digest  # (no lock for a cached one: the round thread may hold it for a while)
+        if cached is not None:
+            return cached
+        with self.lock:
+            if self._digest is None:
+                self._digest = self.outer.digest()
+            return self._digest
 
     def pseudo_gradient(self, local: torch.Tensor) -> torch.Tensor:
         """``global - local``: what local training moved since the last outer step."""
@@ -73,6 +81,7 @@ class GlobalState:
     def apply(self, averaged: torch.Tensor, slot: int, members: Sequence[str]) -> None:
         """Take the outer step ``averaged`` that ``members`` (peer ids) agreed on in round ``slot``."""
         with self.lock:
+            self._digest = None
             self.outer.step(averaged)
             self.recent_update_norm = update_norm(averaged)
             self.outer_round += 1
@@ -88,6 +97,7 @@ class GlobalState:
         """Make a state this site's: a peer's served one (see :meth:`served`), or a checkpoint's
         tensors with its :meth:`position`."""
         with self.lock:
+            self._digest = None
             self.outer.load_state_tensors(tensors)
             self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
             self.round_index = int(meta["round_index"])

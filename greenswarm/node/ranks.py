@@ -49,8 +49,9 @@ class SiteRanks:
     def load(self, flat: torch.Tensor) -> None:
         self.run(Op.LOAD, flat)
 
-    def save(self) -> dict[str, Any]:
-        return self.run(Op.SAVE)
+    def save(self, own: bool = False) -> dict[str, Any]:
+        """The trainer's state (``own``: with tensors later steps do not change; see the trainer)."""
+        return self.run(Op.SAVE, own)
 
     def restore(self, state: dict[str, Any]) -> None:
         self.run(Op.RESTORE, state)
@@ -92,7 +93,7 @@ class SiteRanks:
         if op is Op.LOAD:
             return trainer.load_full_parameters(arg)
         if op is Op.SAVE:
-            return trainer.state_dict()
+            return trainer.state_dict(own=bool(arg))  # (arg stays on rank 0: False elsewhere)
         if op is Op.RESTORE:
             return trainer.load_state_dict(arg)
         if op is Op.EVALUATE:

@@ -74,9 +74,13 @@ class RoundInFlight:
     slot: int
     delta: torch.Tensor  # the pseudo-gradient snapshot it averages
     tokens: int  # the tokens behind it (moved out of the site's unsynced tokens)
-    future: Future[RoundResult] | None  # its result, computed in the background (None: run it inline)
-    run: Callable[[], RoundResult]
+    partners: int  # the other sites in a window when it began (the group it expects)
+    background: bool  # run on a thread of its own while the loop trains on
+    future: Future[RoundResult] | None = None  # its result when in the background
     steps: int = 0  # inner steps taken since the snapshot
+    # the group's step is on the global state already (applied on the round's thread as soon as the
+    # group agreed); ``delta`` then holds minus the local snapshot, what the loop's rebase needs
+    applied: bool = False
 
 
 def in_background(run: Callable[[], RoundResult]) -> Future[RoundResult]:
@@ -137,8 +141,10 @@ class RoundHandler:
         assert self.in_flight is None, "a round is already in flight"
         delta = self.state.pseudo_gradient(self.ranks.gather())
         tokens, self.stats.tokens_since_sync = self.stats.tokens_since_sync, 0  # they go into this round
-        run = functools.partial(self._run, delta, slot, partners(), tokens)
-        self.in_flight = RoundInFlight(slot, delta, tokens, in_background(run) if background else None, run)
+        flight = RoundInFlight(slot, delta, tokens, partners(), background)
+        if background:
+            flight.future = in_background(functools.partial(self._run, flight))
+        self.in_flight = flight
 
     def step_taken(self) -> None:
         """An inner step was taken: a round in flight must keep it when its result is applied."""
@@ -161,11 +167,17 @@ class RoundHandler:
         return end
 
     def _act(self, flight: RoundInFlight) -> RoundEnd:
-        result = flight.future.result() if flight.future is not None else flight.run()
+        result = flight.future.result() if flight.future is not None else self._run(flight)
+        self.counts["refused_updates"] += len(result.refused)
+        if flight.applied:  # on the round's thread: only the local model is left to move
+            assert isinstance(result, Applied)
+            # local progress since the snapshot: now - snapshot (``delta`` holds minus the snapshot)
+            since = self.ranks.gather().add_(flight.delta) if flight.steps else None
+            self._step(result.averaged, result.slot, result.members, since, applied=True)
+            return RoundEnd("apply", result.slot, result=result, moved=True)
         delta, tokens = flight.delta, flight.tokens
         # local progress since the snapshot: (global - snapshot) - (global - now); none when blocking
         since = delta - self.state.pseudo_gradient(self.ranks.gather()) if flight.steps else None
-        self.counts["refused_updates"] += len(result.refused)
         if isinstance(result, Applied):
             self._step(result.averaged, result.slot, result.members, since)
             return RoundEnd("apply", result.slot, result=result, moved=True)
@@ -193,13 +205,31 @@ class RoundHandler:
         )
         return RoundEnd("fail", result.slot, result.reason, result)
 
-    def _run(self, delta: torch.Tensor, slot: int, partners: int, tokens: int) -> RoundResult:
-        """The federation's round (in the background thread when overlapped): never raises."""
+    def _run(self, flight: RoundInFlight) -> RoundResult:
+        """The federation's round (on the round's thread when overlapped): never raises. In the
+        background, an agreed step moves the global state at once, here: a groupmate that must resync
+        downloads it from this site, and would time out waiting for the loop's next look."""
+        slot = flight.slot
         try:
-            return self.federation.run(delta, self.state, slot, partners, tokens)
+            result = self.federation.run(flight.delta, self.state, slot, flight.partners, flight.tokens)
+            if flight.background and isinstance(result, Applied):
+                self._apply_now(flight, result)
+            return result
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)
             return Failed(slot, f"the round raised {type(e).__name__}: {e}", RoundOutcome(False))
+
+    def _apply_now(self, flight: RoundInFlight, result: Applied) -> None:
+        """(the round's thread) Take the agreed step on the global state. ``delta`` becomes
+        ``delta - global_before = -snapshot`` first: the rebase needs the snapshot, and the state it
+        was taken against is about to move (no second model-sized copy)."""
+        flight.delta.sub_(self.state.params)
+        try:
+            self.state.apply(result.averaged, result.slot, result.members)
+        except BaseException:
+            flight.delta.add_(self.state.params)  # (apply checks before it changes anything)
+            raise
+        flight.applied = True
 
     def _settled(self, held: PendingRound) -> None:
         """A round this site failed was applied by the others after all: the state this site adopted
@@ -214,10 +244,12 @@ class RoundHandler:
         members: list[str],
         since: torch.Tensor | None = None,
         solo: bool = False,
+        applied: bool = False,
     ) -> None:
-        """Apply an outer step, load the new global parameters (plus the local progress ``since`` the
-        round's snapshot) into every rank, and say so."""
-        self.state.apply(averaged, slot, members)
+        """Apply an outer step (unless ``applied`` already, on the round's thread), load the new global
+        parameters (plus the local progress ``since`` the round's snapshot) into every rank, and say so."""
+        if not applied:
+            self.state.apply(averaged, slot, members)
         self.sync.moved()
         self.ranks.load(self.state.params if since is None else self.state.params + since)
         if solo:  # (a federated round moved its tokens into the round at its snapshot)

@@ -77,7 +77,7 @@ class SiteNode:
         self.federation: Federation | None = None
         self.round_handler: RoundHandler
         self.sync: StateSync
-        self.checkpoints: SiteCheckpoints
+        self.checkpoints: SiteCheckpoints | None = None
         self.peer_id = ""
         self.membership = None  # this site's checked membership certificate, when it has one
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
@@ -158,10 +158,12 @@ class SiteNode:
         """Average (FEDERATED) or take the step alone (SOLO), then move the global model. With
         ``averaging.overlap``, a federated round only begins here and training goes on; its result
         is acted on when it arrives (:meth:`_finish_round`)."""
-        self._finish_round()  # the last round's result comes first (waiting for it, if need be)
+        finished = self._finish_round()  # the last round's result comes first (waiting for it, if need be)
         began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
         if self.round_handler.catch_up_due(state is FEDERATED):
+            if finished:  # the view was polled before that round ended: what its group did since is news
+                self.swarm.view.poll_now()
             self._catch_up(in_window_only=state is FEDERATED)
         if state is FEDERATED and self.cfg.averaging.overlap:
             self.round_handler.begin(self._slot, self._partners)
@@ -169,11 +171,14 @@ class SiteNode:
             return
         self._after_round(self.round_handler.end(state is FEDERATED, self._slot, self._partners), began)
 
-    def _finish_round(self) -> None:
-        """Act on the round in flight, if there is one (waiting for its result when it has none yet)."""
-        if self.round_handler.in_flight is not None:
-            began = time.monotonic() - self._begin_s  # (waiting for the result holds training up too)
-            self._after_round(self.round_handler.finish(), began)
+    def _finish_round(self) -> bool:
+        """Act on the round in flight, if there is one (waiting for its result when it has none yet);
+        whether there was one."""
+        if self.round_handler.in_flight is None:
+            return False
+        began = time.monotonic() - self._begin_s  # (waiting for the result holds training up too)
+        self._after_round(self.round_handler.finish(), began)
+        return True
 
     def _after_round(self, end: RoundEnd, began: float) -> None:
         """What follows a round's end at this site: the new global model's checkpoint and record, the
@@ -230,8 +235,9 @@ class SiteNode:
             self.log,
         )
         self.checkpoints = SiteCheckpoints(
-            cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log
-        )
+            cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log,
+            background=averaging.overlap,  # rounds beside training: checkpoints written beside it too
+        )  # fmt: skip
         self.checkpoints.resume()
         self.swarm, self.membership = join_swarm(
             cfg, outer.numel, self.global_state.served, self.faults, self.log
@@ -295,6 +301,8 @@ class SiteNode:
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
 
     def _close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.ranks.stop()
         if self.swarm is not None:
             self.swarm.close(self.log)

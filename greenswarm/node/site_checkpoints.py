@@ -8,7 +8,10 @@ forgetting it across a restart would count its update twice on the next catch-up
 
 After each outer step this component also keeps the best checkpoints by held-out loss (when an
 evaluation is due) and, when ``node.keep_globals`` asks, the last global models named by outer step
-and lineage.
+and lineage. With ``background`` (rounds that run beside training, ``averaging.overlap``) the loop
+only takes the state and the held-out loss after an outer step; a
+:class:`~greenswarm.node.checkpoint_writer.BackgroundWriter` writes the file and keeps what follows it.
+Every other save (the last one, at a stop) waits for the writer and is written at once.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from greenswarm.faults import FaultPlan
 from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.checkpoint_writer import BackgroundWriter, snapshot
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.evaluation import BestCheckpoints
 from greenswarm.node.global_state import GlobalState
@@ -43,6 +48,7 @@ class SiteCheckpoints:
         stats: SiteStats,
         ledger: EnergyLedger,
         log: logging.Logger | None = None,
+        background: bool = False,
     ):
         self.run_dir = Path(cfg.node.run_dir)
         self.checkpointer = Checkpointer(self.run_dir, faults)
@@ -50,6 +56,7 @@ class SiteCheckpoints:
         self.keep_globals = cfg.node.keep_globals
         self.ranks, self.state, self.sync, self.stats, self.ledger = ranks, state, sync, stats, ledger
         self.log = log or logging.getLogger(__name__)
+        self.writer = BackgroundWriter(self.checkpointer) if background else None
 
     def resume(self) -> bool:
         """Restore the newest verified checkpoint, if there is one."""
@@ -71,32 +78,56 @@ class SiteCheckpoints:
         return True
 
     def save(self) -> None:
-        trainer_state = self.ranks.save()  # every rank takes part (FSDP gathers its shards)
-        self.checkpointer.save(
-            {
-                "trainer": trainer_state,
-                "outer": self.state.tensors(),
-                "ledger": self.ledger.state_dict(),
-                "site": {**self.state.position(), **self.stats.state_dict()},
-                "sync": self.sync.state_dict(),
-            }
-        )
+        """Write the site's checkpoint now (after any background write still under way)."""
+        if self.writer is not None:
+            self.writer.flush()
+        self.checkpointer.save(self._payload())
 
     def after_step(self, evaluate: Callable[[], float]) -> float | None:
         """After an outer step: save, evaluate and keep the best checkpoints when due, keep the global
         model when asked. Returns the held-out loss when one was measured."""
-        self.save()
-        loss = self.best.after_step(self.state.outer_round, self.state.lineage, evaluate)
-        self._keep_global()
+        payload = self._payload(own=self.writer is not None)
+        outer_round, lineage, params = self.state.outer_round, self.state.lineage, payload["outer"][0]
+        if self.writer is None:
+            self.checkpointer.save(payload)
+        loss = self.best.measure(outer_round, evaluate)  # the model of the payload: nothing trained since
+
+        def after_written() -> None:
+            self.best.keep_if_best(outer_round, lineage, loss)
+            self._keep_global(outer_round, lineage, params)
+
+        if self.writer is None:
+            after_written()
+        else:
+            self.writer.submit(payload, after_written)
         return loss
 
-    def _keep_global(self) -> None:
-        """Keep this outer step's global model if ``node.keep_globals`` asks (named by step and lineage)."""
+    def close(self) -> None:
+        """Finish a background write under way and end its thread (the node is closing)."""
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except Exception:  # the writer logged it; the node is closing for a reason of its own
+                pass
+
+    def _payload(self, own: bool = False) -> dict[str, Any]:
+        """Everything a restarted site needs, taken now (``own``: nothing in it changes afterwards)."""
+        trainer_state = self.ranks.save(own=own)  # every rank takes part (FSDP gathers its shards)
+        rest = {
+            "ledger": self.ledger.state_dict(),
+            "site": {**self.state.position(), **self.stats.state_dict()},
+            "sync": self.sync.state_dict(),
+        }
+        return {"trainer": trainer_state, "outer": self.state.tensors(), **(snapshot(rest) if own else rest)}
+
+    def _keep_global(self, outer_round: int, lineage: str, params: torch.Tensor) -> None:
+        """Keep outer step ``outer_round``'s global model (``params``) if ``node.keep_globals`` asks
+        (named by step and lineage)."""
         if not self.keep_globals:
             return
         directory = self.run_dir / "globals"
         directory.mkdir(parents=True, exist_ok=True)
-        name = f"outer-{self.state.outer_round:06d}-{self.state.lineage}.pt"
-        torch.save(self.state.params.clone(), directory / name)
+        torch.save(params, directory / f"outer-{outer_round:06d}-{lineage}.pt")
         for old in sorted(directory.glob("outer-*.pt"))[: -self.keep_globals]:
             old.unlink(missing_ok=True)

@@ -171,16 +171,33 @@ class InnerTrainer:
 
     # ---- checkpoints ----
 
-    def state_dict(self) -> dict[str, Any] | None:
-        """Full model + optimizer + data position on rank 0 (a collective under FSDP)."""
+    def state_dict(self, own: bool = False) -> dict[str, Any] | None:
+        """Full model + optimizer + data position on rank 0 (a collective under FSDP). ``own``: with
+        tensors of its own, which later steps do not change (a checkpoint written in the background);
+        otherwise a single-process site's tensors are its live parameters and optimizer state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if own:  # copy only what is live: a sharded or GPU site's state dict is a CPU copy already
+            live = {t.data_ptr() for t in self._live_tensors()}
+            model_sd, optim_sd = _owned(model_sd, live), _owned(optim_sd, live)
         positions = self._gather_objects(self.batches.state_dict())
         if not self.world.is_leader:
             return None
         return {"model": model_sd, "optimizer": optim_sd, "data": positions, "steps": self.steps}
+
+    def _live_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a training step changes in place: parameters, buffers, optimizer state."""
+        from torch.distributed.tensor import DTensor
+
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in self.model.parameters()]
+        tensors += list(self.model.buffers())
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value.to_local() if isinstance(value, DTensor) else value)
+        return tensors
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore from rank 0's :meth:`state_dict` (a collective under FSDP)."""
@@ -207,3 +224,14 @@ class InnerTrainer:
         out: list[Any] = [None] * self.world.world_size
         torch.distributed.all_gather_object(out, obj)
         return out
+
+
+def _owned(obj: Any, live: set[int]) -> Any:
+    """``obj`` (a nested state dict) with a copy of every tensor whose memory is in ``live``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.data_ptr() in live else obj
+    if isinstance(obj, dict):
+        return {key: _owned(value, live) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_owned(item, live) for item in obj)
+    return obj

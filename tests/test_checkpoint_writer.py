@@ -1,0 +1,109 @@
+"""Checkpoints written beside training: what the loop hands over is what lands on disk, in order, and a
+failed write is never swallowed."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.checkpoint_writer import BackgroundWriter, snapshot
+from greenswarm.node.config import TrainConfig
+from greenswarm.node.data import DataConfig
+from greenswarm.node.distributed import World
+from greenswarm.node.model import ModelConfig
+from greenswarm.node.trainer import InnerTrainer
+
+
+class GatedCheckpointer(Checkpointer):
+    """Writes only when the test opens the gate: a slow disk, under the test's control."""
+
+    def __init__(self, directory: Path, fail_on: int | None = None):
+        super().__init__(directory)
+        self.gate = threading.Event()
+        self.saved: list[int] = []
+        self.fail_on = fail_on
+
+    def save(self, payload: dict[str, Any]) -> Path:
+        assert self.gate.wait(10), "the test never opened the gate"
+        if payload["n"] == self.fail_on:
+            raise OSError(28, "No space left on device")
+        path = super().save(payload)
+        self.saved.append(payload["n"])
+        return path
+
+
+def test_snapshots_are_written_in_order_and_what_follows_sees_each_file(tmp_path: Path) -> None:
+    checkpointer = GatedCheckpointer(tmp_path)
+    writer = BackgroundWriter(checkpointer)
+    seen: list[int] = []
+    for n in range(3):
+        if n == 2:
+            checkpointer.gate.set()
+        writer.submit(
+            {"n": n, "t": torch.full((4,), float(n))}, lambda: seen.append(checkpointer.load()["n"])
+        )
+    writer.flush()
+    assert checkpointer.saved == [0, 1, 2] and seen == [0, 1, 2]
+    assert torch.equal(Checkpointer(tmp_path).load()["t"], torch.full((4,), 2.0))
+    writer.close()
+
+
+def test_a_third_snapshot_waits_while_one_is_written_and_another_waits(tmp_path: Path) -> None:
+    checkpointer = GatedCheckpointer(tmp_path)
+    writer = BackgroundWriter(checkpointer)
+    writer.submit({"n": 0})  # taken up by the writer, which waits at the gate
+    writer.submit({"n": 1})  # waits
+    third = threading.Thread(target=writer.submit, args=({"n": 2},))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # no third copy of the state while two are held
+    checkpointer.gate.set()
+    third.join(10)
+    writer.close()
+    assert checkpointer.saved == [0, 1, 2]
+
+
+def test_a_failed_write_is_raised_on_the_loops_thread_and_the_writer_goes_on(tmp_path: Path) -> None:
+    checkpointer = GatedCheckpointer(tmp_path, fail_on=1)
+    checkpointer.gate.set()
+    writer = BackgroundWriter(checkpointer)
+    writer.submit({"n": 0})
+    writer.submit({"n": 1})
+    with pytest.raises(OSError, match="No space left"):
+        writer.flush()
+    writer.submit({"n": 2})  # raised once; the next write goes through
+    writer.close()
+    assert checkpointer.saved == [0, 2]
+
+
+def test_snapshot_copies_every_tensor_and_keeps_plain_values() -> None:
+    live = torch.zeros(3)
+    payload = {"a": [live, (live, 1)], "b": "x"}
+    copy = snapshot(payload)
+    live += 1
+    assert torch.equal(copy["a"][0], torch.zeros(3)) and torch.equal(copy["a"][1][0], torch.zeros(3))
+    assert copy["a"][1][1] == 1 and copy["b"] == "x" and isinstance(copy["a"][1], tuple)
+
+
+def test_an_owned_trainer_state_does_not_move_with_later_steps() -> None:
+    """``own=True`` is what a background checkpoint takes: later steps change neither the model's nor
+    the optimizer's tensors in it, while a plain state dict of a single-process site is its live state."""
+    data = DataConfig(seq_len=16, shard_index=0, num_shards=1)
+    trainer = InnerTrainer(
+        ModelConfig(), data, TrainConfig(batch_size=2, micro_batch_size=2, threads=1), World()
+    )
+    trainer.step()
+    owned, live = trainer.state_dict(own=True), trainer.state_dict()
+    frozen = snapshot(owned)
+    trainer.step()
+    name = next(iter(owned["model"]))
+    assert torch.equal(owned["model"][name], frozen["model"][name])
+    assert not torch.equal(live["model"][name], frozen["model"][name])
+    for key, state in owned["optimizer"]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(value, frozen["optimizer"]["state"][key][field]), (key, field)
