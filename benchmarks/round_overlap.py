@@ -18,6 +18,12 @@ against the node) give the baseline. Per site, from the node's own step timestam
 
     python benchmarks/round_overlap.py --preset small --sites 2 --seconds 600 --sync 60 --overlap --json
 
+``--nat`` (needs root) runs the sites behind NAT instead: tests/netns.py's topology, the bootstrap
+in the hub namespace, each site in a namespace of its own, reached through the bootstrap's relay,
+every link shaped to ``--mbit`` with tbf (each site's link carries its upload and its download):
+
+    sudo python benchmarks/round_overlap.py --preset small --sites 3 --nat --mbit 50 --json
+
 Medians over sites are printed; every child process (p2pd daemons included) is reaped at the end.
 """
 
@@ -40,6 +46,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import REGIONS, _kill_session, plain_tokens_per_s, run_node, write_trace  # noqa: E402  (a sibling)
 
+LISTEN = {False: "127.0.0.1", True: "0.0.0.0"}  # by --nat
 SKIP_STEPS = 2  # steps left out at the start of a site's measurement (allocator and data warm-up)
 SPEEDUP = 10.0  # replay speed: a round every --sync wall seconds is --sync * SPEEDUP clock seconds
 BATCH, THREADS = 8, 1
@@ -94,7 +101,8 @@ def site_config(i: int, swarm: str, peers: list[str], trace: Path, run_dir: Path
     return {
         "name": f"bench-{i}",
         "region": REGIONS[i],
-        "swarm": {"name": swarm, "initial_peers": peers, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
+        # behind NAT a site listens on its namespace's address, finds no public one and uses the relay
+        "swarm": {"name": swarm, "initial_peers": peers, "host_maddrs": [f"/ip4/{LISTEN[args.nat]}/tcp/0"]},
         "model": {"preset": args.preset},
         "data": {"shard_index": i, "num_shards": args.sites},
         "train": {"device": "cpu", "threads": THREADS, "batch_size": BATCH, "micro_batch_size": BATCH},
@@ -108,10 +116,10 @@ def site_config(i: int, swarm: str, peers: list[str], trace: Path, run_dir: Path
     }
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+def _spawn(argv: list[str], log_path: Path, prefix: list[str] | None = None) -> subprocess.Popen:
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, __file__, *argv],
+            [*(prefix or []), sys.executable, __file__, *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -149,21 +157,41 @@ def run(args: Any, workdir: Path) -> dict[str, Any]:
 
         swarm = "overlap"
         trace = write_trace(workdir / "trace.csv", list(REGIONS[: args.sites]), args.seconds * SPEEDUP)
-        dht = start_dht([], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators(swarm))
+        topo = dht = None
         try:
-            peers = visible_peer_maddrs(dht)
+            if args.nat:
+                from nat_rounds import HUB_PORT, _bootstrap  # a sibling: the same hub bootstrap
+
+                from tests import netns
+
+                topo = netns.make_topology(args.sites)
+                if args.mbit:
+                    topo.shape(args.mbit)
+                listen, announce = f"/ip4/0.0.0.0/tcp/{HUB_PORT}", [f"/ip4/{netns.HUB_ADDR}/tcp/{HUB_PORT}"]
+                boot, peer = _bootstrap(
+                    topo.exec_prefix(topo.hub), listen, announce, workdir, dict(os.environ)
+                )
+                procs.append(boot)
+                peers = [peer]
+            else:
+                dht = start_dht(
+                    [], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators(swarm)
+                )
+                peers = visible_peer_maddrs(dht)
             args._start_wall = time.time()
-            outs = []
+            outs, sites_procs = [], []
             for i in range(args.sites):
                 config = workdir / f"site{i}.yaml"
                 config.write_text(
                     yaml.safe_dump(site_config(i, swarm, peers, trace, workdir / f"run{i}", args))
                 )
                 outs.append(workdir / f"site{i}.json")
-                procs.append(
-                    _spawn(["--site", str(config), "--out", str(outs[-1])], workdir / f"site{i}.log")
+                prefix = topo.exec_prefix(topo.sites[i].ns) if topo is not None else None
+                sites_procs.append(
+                    _spawn(["--site", str(config), "--out", str(outs[-1])], workdir / f"site{i}.log", prefix)
                 )
-            for i, proc in enumerate(procs):  # each stops at the trace's end, as a site does
+            procs.extend(sites_procs)
+            for i, proc in enumerate(sites_procs):  # each stops at the trace's end, as a site does
                 code = proc.wait(timeout=args.seconds + 600)
                 if code != 0:
                     tail = (workdir / f"site{i}.log").read_text()[-3000:]
@@ -175,7 +203,13 @@ def run(args: Any, workdir: Path) -> dict[str, Any]:
             left = min(r["steps"][-1][1] for r in records)
             sites = [measure(r, workdir / f"run{i}", joined, left) for i, r in enumerate(records)]
         finally:
-            dht.shutdown()
+            if dht is not None:
+                dht.shutdown()
+            for proc in procs:
+                _kill_session(proc)
+            procs.clear()
+            if topo is not None:
+                topo.close()
     finally:
         for proc in procs:
             _kill_session(proc)
@@ -225,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="averaging.overlap on (default) or off",
     )
+    parser.add_argument("--nat", action="store_true", help="sites behind NAT, through the relay (root)")
+    parser.add_argument(
+        "--mbit", type=float, default=50.0, help="with --nat: every link's rate (50; 0: unshaped)"
+    )
     parser.add_argument("--workdir", help="keep configs, logs and round logs here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--site", help=argparse.SUPPRESS)  # internal: one site worker
@@ -264,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             "sites": args.sites,
             "seconds": args.seconds,
             "sync_wall_s": args.sync,
+            "nat_mbit": args.mbit if args.nat else None,
             "threads": THREADS,
             "batch": BATCH,
             "cpus": os.cpu_count(),
@@ -275,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     mode = "overlapped" if args.overlap else "blocking"
+    where = f"behind NAT, links at {args.mbit:g} Mbit/s" if args.nat else "on loopback"
     print(
-        f"{args.sites} site(s), {args.preset}, {mode} rounds every {args.sync:g} wall s, {args.seconds:g} s"
+        f"{args.sites} site(s) {where}, {args.preset}, {mode} rounds every {args.sync:g} wall s, "
+        f"{args.seconds:g} s"
     )
     print(f"train_share        {result['train_share']:.3f}  (median over sites)")
     print(
