@@ -14,6 +14,15 @@ Printed: final held-out loss per wire format and seed, and the ratio to fp32 of 
 (goal <= 1.01), with the median and spread over seeds.
 
     python benchmarks/loss_parity.py [--wires fp32 int8 int7-zstd] [--seeds 0 1 2] [--rounds 8] [--inner 25]
+
+``--delays 0 2`` compares rounds that block (0) with overlapped ones (``averaging.overlap``, see
+docs/overlap.md) whose result is applied K inner steps after the snapshot, as a node that trains on
+while its round runs does: the averaged step moves the global model, and the K steps taken meanwhile
+are kept on top of it (``local = global_new + (local_now - snapshot)``). K is fixed here, so the
+comparison is deterministic; a node's own ``steps_meanwhile`` (rounds.jsonl) says which K is real.
+Equal inner steps either way. ``--preset`` picks the model (tiny; small is ~99 M parameters).
+
+    python benchmarks/loss_parity.py --wires fp32 --delays 0 2 --seeds 0 1 2 [--preset small]
 """
 
 from __future__ import annotations
@@ -56,7 +65,10 @@ def site(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     data = DataConfig(source=_data_source(), shard_index=args.index, num_shards=SITES + 1, seed=args.seed)
     trainer = InnerTrainer(
-        ModelConfig(seed=args.seed), data, TrainConfig(threads=1), World.from_environment("cpu")
+        ModelConfig(preset=args.preset, seed=args.seed),
+        data,
+        TrainConfig(threads=1),
+        World.from_environment("cpu"),
     )
     outer = OuterOptimizer.from_config(trainer.full_parameters(), "diloco", 0.7, 0.9, True)
     cfg = AveragingConfig(
@@ -66,18 +78,36 @@ def site(args: argparse.Namespace) -> None:
     averager = SwarmAverager(dht, f"parity-{args.tag}", outer.numel, cfg, lambda: ({}, []))
     feedback = torch.zeros(outer.numel)
     failed, wires = 0, []
+    pending = None  # (outcome, local snapshot): a round whose step waits for --delay more inner steps
+
+    def apply(outcome, snapshot) -> None:
+        outer.step(outcome.averaged)
+        feedback.copy_(outcome.residual)
+        wires.append(outcome.wire)
+        # the steps taken since the snapshot stay on top of the new global model (none when blocking)
+        trainer.load_full_parameters(outer.params + (trainer.full_parameters() - snapshot))
+
     for r in range(args.rounds):
-        for _ in range(args.inner):
+        for i in range(args.inner):
             trainer.step()
-        delta = outer.pseudo_gradient(trainer.full_parameters())
+            if pending is not None and i + 1 == args.delay:
+                apply(*pending)
+                pending = None
+        if pending is not None:  # a delay of a whole round or more: at the next boundary at the latest
+            apply(*pending)
+            pending = None
+        snapshot = trainer.full_parameters().clone()
+        delta = outer.pseudo_gradient(snapshot)
         outcome = averager.average(delta + feedback, 1.0, r, f"parity-{args.tag}", SITES, {})
         if not outcome.ok:
             failed += 1
             continue
-        outer.step(outcome.averaged)
-        feedback.copy_(outcome.residual)
-        wires.append(outcome.wire)
-        trainer.load_full_parameters(outer.params)
+        if args.delay:
+            pending = (outcome, snapshot)
+        else:
+            apply(outcome, snapshot)
+    if pending is not None:
+        apply(*pending)
     # held-out loss of the global model (the shard no site trained on)
     trainer.load_full_parameters(outer.params)
     trainer.model.eval()
@@ -103,12 +133,12 @@ def site(args: argparse.Namespace) -> None:
     dht.shutdown()
 
 
-def run(wire: str, seed: int, args: argparse.Namespace) -> dict:
+def run(wire: str, seed: int, args: argparse.Namespace, delay: int = 0) -> dict:
     from greenswarm.network import start_dht
 
     dht = start_dht([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peer = str(dht.get_visible_maddrs()[0])
-    tag = f"{wire}-{seed}-{int(time.time())}"
+    tag = f"{wire}-{seed}-{delay}-{int(time.time())}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
@@ -132,6 +162,10 @@ def run(wire: str, seed: int, args: argparse.Namespace) -> dict:
                 str(args.inner),
                 "--eval-batches",
                 str(args.eval_batches),
+                "--delay",
+                str(delay),
+                "--preset",
+                args.preset,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -165,6 +199,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=20)
+    parser.add_argument("--preset", default="tiny", help="model preset (tiny; small is ~99 M parameters)")
+    parser.add_argument("--delays", nargs="+", type=int, default=[0], help="0: blocking; K: overlapped")
+    parser.add_argument("--delay", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--site", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
@@ -177,11 +214,14 @@ def main() -> None:
         site(args)
         return
     results: dict[str, dict[int, dict]] = {}
-    for seed in args.seeds:  # seeds outermost: machine-load drift hits every format alike
-        for wire in args.wires:
-            results.setdefault(wire, {})[seed] = run(wire, seed, args)
-            print(f"# {wire} seed {seed}: {results[wire][seed]}", file=sys.stderr, flush=True)
-    base = args.wires[0]
+    variants = [(w, d) for w in args.wires for d in args.delays]
+    label = {(w, d): w if args.delays == [0] else f"{w}/delay{d}" for w, d in variants}
+    for seed in args.seeds:  # seeds outermost: machine-load drift hits every variant alike
+        for wire, delay in variants:
+            name = label[wire, delay]
+            results.setdefault(name, {})[seed] = run(wire, seed, args, delay)
+            print(f"# {name} seed {seed}: {results[name][seed]}", file=sys.stderr, flush=True)
+    base = label[variants[0]]
     summary = {}
     for wire, by_seed in results.items():
         ratios = [by_seed[s]["eval_loss"] / results[base][s]["eval_loss"] for s in args.seeds]
@@ -197,16 +237,23 @@ def main() -> None:
     if args.json:
         print(
             json.dumps(
-                {"rounds": args.rounds, "inner": args.inner, "seeds": args.seeds, "wires": summary}, indent=1
+                {
+                    "preset": args.preset,
+                    "rounds": args.rounds,
+                    "inner": args.inner,
+                    "seeds": args.seeds,
+                    "wires": summary,
+                },
+                indent=1,
             )
         )
         return
-    print(f"{args.rounds} rounds x {args.inner} inner steps, 3 sites, seeds {args.seeds}")
-    print(f"{'wire':<11}{'median ratio':>13}{'spread':>20}  losses")
+    print(f"{args.preset}: {args.rounds} rounds x {args.inner} inner steps, 3 sites, seeds {args.seeds}")
+    print(f"{'variant':<16}{'median ratio':>13}{'spread':>20}  losses")
     for wire, s in summary.items():
         losses = " ".join(f"{v:.4f}" for v in s["eval_loss"].values())
         print(
-            f"{wire:<11}{s['median_ratio']:>13.4f}   [{s['spread'][0]:.4f}, {s['spread'][1]:.4f}]  {losses}"
+            f"{wire:<16}{s['median_ratio']:>13.4f}   [{s['spread'][0]:.4f}, {s['spread'][1]:.4f}]  {losses}"
             f"  failed={s['failed_rounds']} identical={s['sites_identical']}"
         )
 
