@@ -107,3 +107,39 @@ def test_an_owned_trainer_state_does_not_move_with_later_steps() -> None:
     for key, state in owned["optimizer"]["state"].items():
         for field, value in state.items():
             assert torch.equal(value, frozen["optimizer"]["state"][key][field]), (key, field)
+
+
+def test_a_site_takes_no_third_snapshot_while_two_are_held(tmp_path: Path) -> None:
+    """SiteCheckpoints waits for the writer's slot *before* it copies the state: with one snapshot
+    being written and one waiting, the next outer step's checkpoint takes no copy until one is gone."""
+    from greenswarm.faults import FaultPlan
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.site_checkpoints import SiteCheckpoints
+    from greenswarm.node.site_stats import SiteStats
+    from greenswarm.node.state_sync import StateSync
+    from tests.test_rounds import N, _Ledger, _SavingRanks, global_state
+
+    class CountingRanks(_SavingRanks):
+        taken = 0
+
+        def save(self, own: bool = False) -> dict[str, Any]:
+            CountingRanks.taken += 1
+            return super().save(own)
+
+    cfg = load_site_config(None, ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}"])
+    state, ranks = global_state(1.0), CountingRanks(torch.zeros(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 0.3)
+    site = SiteCheckpoints(cfg, FaultPlan(), ranks, state, sync, SiteStats(), _Ledger(), background=True)
+    gate = threading.Event()
+    save = site.checkpointer.save
+    site.checkpointer.save = lambda payload: gate.wait(10) and save(payload)  # a slow disk
+    site.after_step(lambda: 0.0)  # being written
+    site.after_step(lambda: 0.0)  # waiting
+    third = threading.Thread(target=site.after_step, args=(lambda: 0.0,))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and CountingRanks.taken == 2
+    gate.set()
+    third.join(10)
+    site.close()
+    assert CountingRanks.taken == 3 and Checkpointer(tmp_path).load() is not None

@@ -67,6 +67,13 @@ class BackgroundWriter:
             self._waiting = (payload, then)
             self._cond.notify_all()
 
+    def wait_for_slot(self) -> None:
+        """Wait until no snapshot waits (the loop calls it before it takes one: at most two exist)."""
+        with self._cond:
+            while self._waiting is not None:
+                self._cond.wait()
+            self._raise_failure()
+
     def flush(self) -> None:
         """Wait until everything handed in is written (before a blocking save, at the end)."""
         with self._cond:

@@ -1,9 +1,12 @@
 """A site's view of the global model: parameters, outer momentum, and where they sit in the swarm.
 
-Two threads touch it: the node's loop moves it (an applied round, an adopted state, a resume), and
-hivemind's state server reads it at any moment to serve a newcomer. Every read or write of more
-than one field takes :attr:`GlobalState.lock`, so a newcomer never receives the parameters of one
-outer step with the lineage of another, and a digest never hashes a half-applied step.
+Three threads touch it: the node's loop moves it (an adopted state, a resume, a blocking round's
+step), an overlapped round's thread moves it (its agreed step, docs/overlap.md), and hivemind's state
+server reads it at any moment to serve a newcomer. Every read or write of the tensors with the
+position takes :attr:`GlobalState.lock`, so a newcomer never receives the parameters of one outer step
+with the lineage of another, and a digest never hashes a half-applied step. The position alone
+(outer step, lineage, slot) is one tuple, replaced whole: a progress record read without the lock
+(which a round's digest may hold for a second) never pairs one step's number with another's lineage.
 
 *Where they sit* is three fields: the outer step count, the lineage (a hash chain of the rounds
 that led here, see :func:`~greenswarm.averaging.outer.next_lineage`) and the slot of the last round.
@@ -35,7 +38,7 @@ class GlobalState:
     def __init__(self, outer: OuterOptimizer, site: str):
         self.outer = outer
         self.site = site  # named in what is served, so a newcomer can say whom it caught up with
-        self.outer_round, self.lineage, self.round_index = 0, GENESIS, -1
+        self._position: tuple[int, str, int] = (0, GENESIS, -1)  # outer step, lineage, round slot
         self.recent_update_norm = 0.0  # norm of the last update applied (the scale the group screens by)
         self.ancestors: deque[str] = deque(maxlen=ANCESTORS)  # earlier lineages, oldest first
         self.lock = threading.Lock()
@@ -43,8 +46,25 @@ class GlobalState:
 
     @property
     def params(self) -> torch.Tensor:
-        """The global parameters (flat fp32; the loop's thread alone writes them)."""
+        """The global parameters (flat fp32; written by the loop, or by an overlapped round's thread
+        while the loop leaves them alone)."""
         return self.outer.params
+
+    @property
+    def outer_round(self) -> int:
+        return self._position[0]
+
+    @property
+    def lineage(self) -> str:
+        return self._position[1]
+
+    @property
+    def round_index(self) -> int:
+        return self._position[2]
+
+    def where(self) -> tuple[int, str, int]:
+        """Outer step, lineage and round slot, as one consistent triple (no lock needed)."""
+        return self._position
 
     @property
     def numel(self) -> int:
@@ -84,10 +104,9 @@ class GlobalState:
             self._digest = None
             self.outer.step(averaged)
             self.recent_update_norm = update_norm(averaged)
-            self.outer_round += 1
-            self.ancestors.append(self.lineage)
-            self.lineage = next_lineage(self.lineage, slot, members)
-            self.round_index = slot
+            outer_round, lineage, _ = self._position
+            self.ancestors.append(lineage)
+            self._position = (outer_round + 1, next_lineage(lineage, slot, members), slot)
 
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether downloaded state tensors have this model's shape (parameters and momentum)."""
@@ -99,8 +118,7 @@ class GlobalState:
         with self.lock:
             self._digest = None
             self.outer.load_state_tensors(tensors)
-            self.outer_round, self.lineage = int(meta["outer_round"]), str(meta["lineage"])
-            self.round_index = int(meta["round_index"])
+            self._position = (int(meta["outer_round"]), str(meta["lineage"]), int(meta["round_index"]))
             # a peer running an older greenswarm serves none, an older checkpoint keeps none
             self.ancestors = deque((str(a) for a in meta.get("ancestors", ())), maxlen=ANCESTORS)
 
@@ -111,10 +129,11 @@ class GlobalState:
 
     def position(self) -> dict[str, Any]:
         """Outer step, lineage, round slot and kept ancestors, as checkpoints and served states carry them."""
+        outer_round, lineage, round_index = self._position
         return {
-            "outer_round": self.outer_round,
-            "lineage": self.lineage,
-            "round_index": self.round_index,
+            "outer_round": outer_round,
+            "lineage": lineage,
+            "round_index": round_index,
             "ancestors": list(self.ancestors),
         }
 

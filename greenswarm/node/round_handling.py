@@ -212,23 +212,21 @@ class RoundHandler:
         slot = flight.slot
         try:
             result = self.federation.run(flight.delta, self.state, slot, flight.partners, flight.tokens)
-            if flight.background and isinstance(result, Applied):
-                self._apply_now(flight, result)
-            return result
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)
             return Failed(slot, f"the round raised {type(e).__name__}: {e}", RoundOutcome(False))
+        if flight.background and isinstance(result, Applied):
+            # an agreed step that cannot be applied (NaN past the screening) ends the node, as in a
+            # blocking round: finish re-raises it on the loop's thread
+            self._apply_now(flight, result)
+        return result
 
     def _apply_now(self, flight: RoundInFlight, result: Applied) -> None:
         """(the round's thread) Take the agreed step on the global state. ``delta`` becomes
         ``delta - global_before = -snapshot`` first: the rebase needs the snapshot, and the state it
         was taken against is about to move (no second model-sized copy)."""
         flight.delta.sub_(self.state.params)
-        try:
-            self.state.apply(result.averaged, result.slot, result.members)
-        except BaseException:
-            flight.delta.add_(self.state.params)  # (apply checks before it changes anything)
-            raise
+        self.state.apply(result.averaged, result.slot, result.members)
         flight.applied = True
 
     def _settled(self, held: PendingRound) -> None:

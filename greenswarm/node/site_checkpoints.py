@@ -78,14 +78,20 @@ class SiteCheckpoints:
         return True
 
     def save(self) -> None:
-        """Write the site's checkpoint now (after any background write still under way)."""
+        """Write the site's checkpoint now (after any background write still under way). An earlier
+        background write that failed was logged when it failed; this newer checkpoint replaces it."""
         if self.writer is not None:
-            self.writer.flush()
+            try:
+                self.writer.flush()
+            except Exception as e:
+                self.log.warning("an earlier checkpoint write failed (%s); writing this one now", e)
         self.checkpointer.save(self._payload())
 
     def after_step(self, evaluate: Callable[[], float]) -> float | None:
         """After an outer step: save, evaluate and keep the best checkpoints when due, keep the global
         model when asked. Returns the held-out loss when one was measured."""
+        if self.writer is not None:
+            self.writer.wait_for_slot()  # a snapshot is model-sized: no third one while two are held
         payload = self._payload(own=self.writer is not None)
         outer_round, lineage, params = self.state.outer_round, self.state.lineage, payload["outer"][0]
         if self.writer is None:
@@ -114,12 +120,17 @@ class SiteCheckpoints:
     def _payload(self, own: bool = False) -> dict[str, Any]:
         """Everything a restarted site needs, taken now (``own``: nothing in it changes afterwards)."""
         trainer_state = self.ranks.save(own=own)  # every rank takes part (FSDP gathers its shards)
-        rest = {
+        counters = {
             "ledger": self.ledger.state_dict(),
             "site": {**self.state.position(), **self.stats.state_dict()},
+        }
+        return {
+            "trainer": trainer_state,
+            "outer": self.state.tensors(),
+            **(snapshot(counters) if own else counters),
+            # remembered rounds: their tensors are never changed in place (a round is dropped or added)
             "sync": self.sync.state_dict(),
         }
-        return {"trainer": trainer_state, "outer": self.state.tensors(), **(snapshot(rest) if own else rest)}
 
     def _keep_global(self, outer_round: int, lineage: str, params: torch.Tensor) -> None:
         """Keep outer step ``outer_round``'s global model (``params``) if ``node.keep_globals`` asks

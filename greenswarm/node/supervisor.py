@@ -72,6 +72,7 @@ def supervise(
 
     crashes: list[float] = []
     while True:
+        _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
         child = os.fork()
         if child == 0:  # the node
             for sig in STOP_SIGNALS:

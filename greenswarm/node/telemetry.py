@@ -43,14 +43,15 @@ def progress_record(node: RunningSite) -> ProgressRecord:
     """The site's progress record, as the swarm reads it."""
     now, stats, state = node.clock.now(), node.stats, node.global_state
     window = node.schedule.current(now) if node.state is not SiteState.IDLE else None
+    outer_round, lineage, round_index = state.where()  # one step's, even while a round's thread moves it
     return ProgressRecord(
         site=node.cfg.name,
         region=node.cfg.region,
         state=node.state.value,
         peer_id=node.peer_id,
-        outer_round=state.outer_round,
-        lineage=state.lineage,
-        round_index=state.round_index,
+        outer_round=outer_round,
+        lineage=lineage,
+        round_index=round_index,
         local_steps=stats.local_steps,
         tokens=stats.tokens,
         loss=None if stats.loss is None or not math.isfinite(stats.loss) else float(stats.loss),
