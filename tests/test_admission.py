@@ -41,7 +41,10 @@ from greenswarm.security.records import MemberRecordValidator
 pytestmark = [pytest.mark.security, pytest.mark.swarm]
 
 SWARM = "sec"
-NUMEL = 100_003
+# six of hivemind's 512 KiB parts (and a few values): in a group of three every member reduces two.
+# With 100,003 values the whole vector was one part, so one member reduced everything; when that was
+# the member meant to drop its parts on the way to a reducer, it had no reducer to drop them on
+NUMEL = 6 * 2**17 + 3
 
 
 @dataclass
