@@ -3,7 +3,8 @@
 hivemind's cross-process future locks are made once, at import, in the supervisor, and so are shared
 by every process forked from it. A helper of a crashed node that was killed while it held one left it
 held for good, and the next node's DHT process then waited forever to report that it was ready: the
-restart hung in ``join_swarm`` (seen once in the tenth soak, then 1 restart in 20 under a CPU hog).
+restart hung in ``join_swarm`` (seen once in the tenth soak; ``benchmarks/restart_soak.py`` then hung
+2 restarts in 79 on a loaded machine, waiting on two different ones of those locks).
 Here the helper's death is made certain: a process takes the lock and is SIGKILLed, then the real
 supervisor forks a node that starts and stops a real hivemind DHT. The program runs in a process of
 its own, so the supervisor's subreaper flag and signal handlers stay out of pytest.
