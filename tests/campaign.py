@@ -379,3 +379,36 @@ def supervised_restarts(swarm: Swarm, workdir: Path, duration_s: float, points: 
         "median_s": statistics.median(measured) if measured else None,
         "measured": len(measured),
     }
+
+
+def run_campaign(swarm: Swarm, workdir: Path, faults: list[Fault], **sections: Any) -> dict[str, Any]:
+    """Run one campaign to its end (faults, restarts, a settled swarm) and return its report, also
+    written to ``workdir/report.json``."""
+    campaign = Campaign(swarm, workdir, faults, **sections)
+    campaign.start()
+    campaign.run(timeout_s=240)
+    campaign.finish(settle_s=4)
+    report = campaign.report()
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def assert_survived(report: dict[str, Any], faults: list[Fault]) -> None:
+    """What every campaign must show: each fault fired; every checkpoint verifies, holds no NaN and
+    is what the restart resumed; nothing was left running; no two sites diverged; every restarted site
+    averaged again; and a kill between a checkpoint's renames left a complete new file to resume from."""
+    summary = json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1)
+    assert len(report["faults"]) == len(faults), summary
+    assert report["fired"] == len(faults), json.dumps(report["faults"], indent=1)
+    assert report["damaged_checkpoints"] == report["unrecoverable"] == report["nan"] == 0, summary
+    assert report["resumed_otherwise"] == 0, summary  # every restart resumed what its checkpoint held
+    assert report["left_processes"] == 0, summary
+    assert report["diverged"] == [], summary
+    assert all(r["restart_to_round_s"] is not None for r in report["faults"]), json.dumps(report["faults"])
+    for kill in (r for r in report["faults"] if r["fault"]["point"] == "checkpoint"):
+        # no checkpoint.pt (it died between the renames), but a complete new file: nothing lost
+        assert kill["checkpoint"] == {
+            "checkpoint.pt": "missing",
+            "checkpoint.prev.pt": "ok",
+            "checkpoint.pt.tmp": "ok",
+        }, kill

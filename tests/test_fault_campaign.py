@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.campaign import Campaign, Fault
+from tests.campaign import Fault, assert_survived, run_campaign
 from tests.conftest import Swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.faults]
@@ -29,31 +29,10 @@ def test_sites_survive_kills_at_every_point(swarm: Swarm, tmp_path: Path) -> Non
         Fault("site-0", "kill", "checkpoint", 2),
         Fault("site-1", "stop", "allreduce", 2),
     ]
-    campaign = Campaign(swarm, tmp_path, faults)
-    campaign.start()
-    campaign.run(timeout_s=240)
-    campaign.finish(settle_s=4)
-    report = campaign.report()
-    (tmp_path / "report.json").write_text(json.dumps(report, indent=2))
+    report = run_campaign(swarm, tmp_path, faults)
+    assert_survived(report, faults)
     summary = json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1)
-
-    assert len(report["faults"]) == len(faults), summary
-    assert report["fired"] == len(faults), json.dumps(report["faults"], indent=1)
-    assert report["damaged_checkpoints"] == report["unrecoverable"] == report["nan"] == 0, summary
-    assert report["resumed_otherwise"] == 0, summary  # every restart resumed what its checkpoint held
-    assert report["left_processes"] == 0, summary
-    assert report["diverged"] == [], summary
     assert report["states_checked"] > 5, summary
     # a survivor waits at most the all-reduce timeout for a dead or frozen groupmate (what is measured
     # also holds the moments between the timeout firing and the node seeing the failed round)
     assert report["max_allreduce_s"] <= report["allreduce_timeout_s"] + 1.0, summary
-    # every restarted site averaged with the others again
-    assert all(r["restart_to_round_s"] is not None for r in report["faults"]), json.dumps(report["faults"])
-    # the checkpoint kill left no checkpoint.pt (it died between the renames) but a complete new file,
-    # which the restart resumed from: nothing lost
-    (ckpt_kill,) = [r for r in report["faults"] if r["fault"]["point"] == "checkpoint"]
-    assert ckpt_kill["checkpoint"] == {
-        "checkpoint.pt": "missing",
-        "checkpoint.prev.pt": "ok",
-        "checkpoint.pt.tmp": "ok",
-    }

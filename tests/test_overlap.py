@@ -213,25 +213,7 @@ def test_kills_during_a_background_round_and_a_background_write_resume_exactly(
     was between a checkpoint's two renames. Each restart resumes exactly what its checkpoint held,
     which verifies and holds no NaN, and averages again; no two sites ever hold different global
     models for the same outer step."""
-    import json
-
-    from tests.campaign import Campaign, Fault
+    from tests.campaign import Fault, assert_survived, run_campaign
 
     faults = [Fault("site-2", "kill", "allreduce", 2), Fault("site-0", "kill", "checkpoint", 2)]
-    campaign = Campaign(swarm, tmp_path, faults, averaging={"overlap": True})
-    campaign.start()
-    campaign.run(timeout_s=240)
-    campaign.finish(settle_s=4)
-    report = campaign.report()
-    summary = json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1)
-    assert report["fired"] == len(faults), json.dumps(report["faults"], indent=1)
-    assert report["damaged_checkpoints"] == report["unrecoverable"] == report["nan"] == 0, summary
-    assert report["resumed_otherwise"] == 0, summary
-    assert report["left_processes"] == 0 and report["diverged"] == [], summary
-    assert all(r["restart_to_round_s"] is not None for r in report["faults"]), json.dumps(report["faults"])
-    (ckpt_kill,) = [r for r in report["faults"] if r["fault"]["point"] == "checkpoint"]
-    assert ckpt_kill["checkpoint"] == {
-        "checkpoint.pt": "missing",
-        "checkpoint.prev.pt": "ok",
-        "checkpoint.pt.tmp": "ok",
-    }
+    assert_survived(run_campaign(swarm, tmp_path, faults, averaging={"overlap": True}), faults)
