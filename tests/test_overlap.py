@@ -17,8 +17,15 @@ import torch
 
 from greenswarm.averaging.outer import GENESIS, next_lineage
 from greenswarm.averaging.round_report import RoundOutcome
+from greenswarm.node.config import TrainConfig
+from greenswarm.node.data import DataConfig
+from greenswarm.node.distributed import World
+from greenswarm.node.evaluation import EvalConfig, HeldOut
+from greenswarm.node.model import ModelConfig
+from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundHandler
 from greenswarm.node.site_stats import SiteStats
+from greenswarm.node.trainer import InnerTrainer
 from tests.test_rounds import (
     ME,
     B,
@@ -79,7 +86,8 @@ def test_a_result_that_arrives_while_training_is_applied_once_keeping_the_steps_
     # downloads the new state from this site; the loop's local model has not been touched yet
     meta, (served, _momentum) = state.served()
     assert meta["outer_round"] == 1 and torch.allclose(served, torch.full((N,), 0.75))
-    assert not ranks.loads and torch.allclose(ranks.local, torch.full((N,), 0.4))
+    assert not ranks.loads and not ranks.shifts and torch.allclose(ranks.local, torch.full((N,), 0.4))
+    assert state._digest == state.outer.digest()  # hashed there too, not by the loop's next record
     end = handler_.finish()
     assert (end.action, end.slot, end.moved) == ("apply", 7, True)
     assert averager.calls[0]["weight"] == 40 and torch.equal(
@@ -93,7 +101,23 @@ def test_a_result_that_arrives_while_training_is_applied_once_keeping_the_steps_
     assert handler_.in_flight is None and not handler_.ready()
     with pytest.raises(AssertionError, match="no round in flight"):
         handler_.finish()
-    assert len(averager.calls) == 1 and len(ranks.loads) == 1 and end.steps_meanwhile == 2
+    # one in-place rebase: the loop's parameters move by (new global - snapshot), no gather and no load
+    assert (
+        len(averager.calls) == 1 and not ranks.loads and len(ranks.shifts) == 1 and end.steps_meanwhile == 2
+    )
+
+
+def test_a_result_with_no_steps_meanwhile_loads_the_new_global_model_exactly() -> None:
+    """No inner step since the snapshot: the local model is the new global one bit for bit (the rebase
+    by addition would round differently)."""
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.3))
+    averager = HeldAverager(outcome(torch.full((N,), 0.1), members=[ME, B], slot=7))
+    handler_ = handler(federation(averager), state, ranks)
+    handler_.begin(7, lambda: 1)
+    averager.release.set()
+    _wait_ready(handler_)
+    assert handler_.finish().steps_meanwhile == 0
+    assert not ranks.shifts and len(ranks.loads) == 1 and torch.equal(ranks.local, state.params)
 
 
 def test_a_failed_background_round_leaves_the_sites_progress_intact() -> None:
@@ -147,6 +171,20 @@ def test_a_round_that_raises_in_the_background_fails_instead_of_hanging() -> Non
     end = handler_.finish()
     assert end.action == "fail" and "the averager process is gone" in end.reason
     assert stats.tokens_since_sync == 40 and torch.equal(ranks.local, torch.full((N,), 0.5))
+
+
+def test_a_rank_shift_adds_in_place_what_a_gather_and_load_would_set() -> None:
+    """The rebase's one in-place add (``SiteRanks.shift``) leaves the model's parameters where gathering
+    them, adding and loading the sum would, and moves nothing else."""
+    data = DataConfig(seq_len=16, shard_index=0, num_shards=1)
+    trainer = InnerTrainer(
+        ModelConfig(), data, TrainConfig(batch_size=2, micro_batch_size=2, threads=1), World()
+    )
+    ranks = SiteRanks(World(), trainer, HeldOut(EvalConfig(), data, trainer.tokenizer))
+    before = ranks.gather()
+    shift = torch.linspace(-1.0, 1.0, before.numel())
+    ranks.shift(shift)
+    torch.testing.assert_close(ranks.gather(), before + shift, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- a real swarm

@@ -64,6 +64,7 @@ class FakeRanks:
     def __init__(self, local: torch.Tensor):
         self.local = local.clone()
         self.loads: list[torch.Tensor] = []
+        self.shifts: list[torch.Tensor] = []
 
     def gather(self) -> torch.Tensor:
         return self.local.clone()
@@ -71,6 +72,10 @@ class FakeRanks:
     def load(self, flat: torch.Tensor) -> None:
         self.local = flat.clone()
         self.loads.append(flat.clone())
+
+    def shift(self, flat: torch.Tensor) -> None:
+        self.local += flat
+        self.shifts.append(flat.clone())
 
 
 def outcome(averaged: torch.Tensor, members: list[str] = (ME, B), slot: int = 7, **kw: Any) -> RoundOutcome:

@@ -25,6 +25,7 @@ class Op(enum.Enum):
     TRAIN = "train"  # one inner step
     GATHER = "gather"  # the full flat parameters (on rank 0)
     LOAD = "load"  # load full flat parameters into every shard
+    SHIFT = "shift"  # add a full flat vector to the parameters of every shard
     SAVE = "save"  # the trainer's state, for the checkpoint
     RESTORE = "restore"  # load the trainer's state from a checkpoint
     EVALUATE = "evaluate"  # the held-out loss
@@ -48,6 +49,10 @@ class SiteRanks:
 
     def load(self, flat: torch.Tensor) -> None:
         self.run(Op.LOAD, flat)
+
+    def shift(self, flat: torch.Tensor) -> None:
+        """Add ``flat`` to the parameters in place (an overlapped round's rebase: one pass, no gather)."""
+        self.run(Op.SHIFT, flat)
 
     def save(self, own: bool = False) -> dict[str, Any]:
         """The trainer's state (``own``: with tensors later steps do not change; see the trainer)."""
@@ -92,6 +97,8 @@ class SiteRanks:
             return trainer.full_parameters()
         if op is Op.LOAD:
             return trainer.load_full_parameters(arg)
+        if op is Op.SHIFT:
+            return trainer.load_full_parameters(arg, add=True)
         if op is Op.SAVE:
             return trainer.state_dict(own=bool(arg))  # (arg stays on rank 0: False elsewhere)
         if op is Op.RESTORE:

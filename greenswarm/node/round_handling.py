@@ -79,7 +79,8 @@ class RoundInFlight:
     future: Future[RoundResult] | None = None  # its result when in the background
     steps: int = 0  # inner steps taken since the snapshot
     # the group's step is on the global state already (applied on the round's thread as soon as the
-    # group agreed); ``delta`` then holds minus the local snapshot, what the loop's rebase needs
+    # group agreed); ``delta`` then holds the new global model minus the local snapshot: what the loop
+    # adds to its parameters to keep the inner steps taken meanwhile
     applied: bool = False
 
 
@@ -171,9 +172,10 @@ class RoundHandler:
         self.counts["refused_updates"] += len(result.refused)
         if flight.applied:  # on the round's thread: only the local model is left to move
             assert isinstance(result, Applied)
-            # local progress since the snapshot: now - snapshot (``delta`` holds minus the snapshot)
-            since = self.ranks.gather().add_(flight.delta) if flight.steps else None
-            self._step(result.averaged, result.slot, result.members, since, applied=True)
+            # now + (new global - snapshot) = new global + the local progress since the snapshot; with
+            # no steps meanwhile the new global model itself, exactly
+            shift = flight.delta if flight.steps else None
+            self._step(result.averaged, result.slot, result.members, applied=True, shift=shift)
             return RoundEnd("apply", result.slot, result=result, moved=True)
         delta, tokens = flight.delta, flight.tokens
         # local progress since the snapshot: (global - snapshot) - (global - now); none when blocking
@@ -222,11 +224,14 @@ class RoundHandler:
         return result
 
     def _apply_now(self, flight: RoundInFlight, result: Applied) -> None:
-        """(the round's thread) Take the agreed step on the global state. ``delta`` becomes
-        ``delta - global_before = -snapshot`` first: the rebase needs the snapshot, and the state it
-        was taken against is about to move (no second model-sized copy)."""
+        """(the round's thread) Take the agreed step on the global state, and do here what would
+        otherwise hold the loop: ``delta`` (``global_before - snapshot``) becomes ``global_after -
+        snapshot``, the loop's whole rebase in one in-place add (no second model-sized copy), and the
+        new state's digest, which the loop's next record and log line name, is hashed."""
         flight.delta.sub_(self.state.params)
         self.state.apply(result.averaged, result.slot, result.members)
+        flight.delta.add_(self.state.params)
+        self.state.digest()
         flight.applied = True
 
     def _settled(self, held: PendingRound) -> None:
@@ -243,13 +248,18 @@ class RoundHandler:
         since: torch.Tensor | None = None,
         solo: bool = False,
         applied: bool = False,
+        shift: torch.Tensor | None = None,
     ) -> None:
         """Apply an outer step (unless ``applied`` already, on the round's thread), load the new global
-        parameters (plus the local progress ``since`` the round's snapshot) into every rank, and say so."""
+        parameters (plus the local progress ``since`` the round's snapshot) into every rank, or move
+        every rank's parameters by ``shift`` (the same, computed on the round's thread), and say so."""
         if not applied:
             self.state.apply(averaged, slot, members)
         self.sync.moved()
-        self.ranks.load(self.state.params if since is None else self.state.params + since)
+        if shift is not None:
+            self.ranks.shift(shift)
+        else:
+            self.ranks.load(self.state.params if since is None else self.state.params + since)
         if solo:  # (a federated round moved its tokens into the round at its snapshot)
             self.stats.tokens_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1

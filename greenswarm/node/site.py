@@ -123,10 +123,11 @@ class SiteNode:
                 if self.round_handler.ready():
                     self._finish_round()  # the group's result arrived while this site trained on
                 if self._round_due():
+                    began = time.monotonic()  # (the poll holds training up too: the round log counts it)
                     self.swarm.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
                     state = self._update_state(self.clock.now())
                     if state is not IDLE:
-                        self._end_round(state)
+                        self._end_round(state, began)
             self._report()
 
     def _update_state(self, now: float) -> SiteState:
@@ -154,12 +155,14 @@ class SiteNode:
             self.stats.first_step_s = time.monotonic() - self.started
             self.log.info("first training step %.1f s after start", self.stats.first_step_s)
 
-    def _end_round(self, state: SiteState) -> None:
+    def _end_round(self, state: SiteState, began: float | None = None) -> None:
         """Average (FEDERATED) or take the step alone (SOLO), then move the global model. With
         ``averaging.overlap``, a federated round only begins here and training goes on; its result
-        is acted on when it arrives (:meth:`_finish_round`)."""
+        is acted on when it arrives (:meth:`_finish_round`). ``began``: when the loop stopped training
+        for this round, if before this call."""
         finished = self._finish_round()  # the last round's result comes first (waiting for it, if need be)
-        began = time.monotonic()
+        if began is None or finished:  # (a wait for the last round is in that round's line)
+            began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
         if self.round_handler.catch_up_due(state is FEDERATED):
             if finished:  # the view was polled before that round ended: what its group did since is news

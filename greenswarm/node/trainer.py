@@ -153,8 +153,9 @@ class InnerTrainer:
         return flatten(tensors) if self.world.is_leader else None
 
     @torch.no_grad()
-    def load_full_parameters(self, flat: torch.Tensor | None) -> None:
-        """Set all parameters from rank 0's flat vector (ignored elsewhere); a collective."""
+    def load_full_parameters(self, flat: torch.Tensor | None, add: bool = False) -> None:
+        """Set all parameters from rank 0's flat vector (ignored elsewhere), or ``add`` it to them; a
+        collective."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         offset = 0
@@ -164,9 +165,13 @@ class InnerTrainer:
                 full = flat[offset : offset + n].view(shape) if self.world.is_leader else torch.empty(shape)
                 full = full.to(p.device_mesh.device_type, p.dtype)
                 shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
-                p.to_local().copy_(shard.to_local())
+                target, value = p.to_local(), shard.to_local()
             else:
-                p.copy_(flat[offset : offset + n].view(shape))
+                target, value = p, flat[offset : offset + n].view(shape).to(p.device, p.dtype)
+            if add:
+                target.add_(value)
+            else:
+                target.copy_(value)
             offset += n
 
     # ---- checkpoints ----
