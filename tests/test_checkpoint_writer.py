@@ -143,3 +143,44 @@ def test_a_site_takes_no_third_snapshot_while_two_are_held(tmp_path: Path) -> No
     third.join(10)
     site.close()
     assert CountingRanks.taken == 3 and Checkpointer(tmp_path).load() is not None
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_checkpoint_every_s_skips_outer_steps_but_never_a_stop_or_a_kept_global(
+    tmp_path: Path, background: bool
+) -> None:
+    """``node.checkpoint_every_s``: the first outer step's checkpoint is written, the next ones within
+    the interval are not (the state is not even copied), ``keep_globals`` still keeps every global
+    model, and a stop writes the site's state as it is."""
+    from greenswarm.faults import FaultPlan
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.site_checkpoints import SiteCheckpoints
+    from greenswarm.node.site_stats import SiteStats
+    from greenswarm.node.state_sync import StateSync
+    from tests.test_rounds import ME, N, _Ledger, _SavingRanks, global_state
+
+    class CountingRanks(_SavingRanks):
+        taken = 0
+
+        def save(self, own: bool = False) -> dict[str, Any]:
+            CountingRanks.taken += 1
+            return super().save(own)
+
+    sets = ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}", "node.checkpoint_every_s=3600"]
+    cfg = load_site_config(None, [*sets, "node.keep_globals=10"])
+    state, ranks = global_state(1.0), CountingRanks(torch.zeros(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 0.3)
+    site = SiteCheckpoints(
+        cfg, FaultPlan(), ranks, state, sync, SiteStats(), _Ledger(), background=background
+    )
+    for slot in range(3):
+        state.apply(torch.full((N,), 0.1), slot, [ME])
+        site.after_step(lambda: 0.0)
+    if site.writer is not None:
+        site.writer.flush()
+    assert CountingRanks.taken == 1
+    assert Checkpointer(tmp_path).load()["site"]["outer_round"] == 1
+    assert len(list((tmp_path / "globals").glob("outer-*.pt"))) == 3
+    site.save()  # a stop
+    site.close()
+    assert CountingRanks.taken == 2 and Checkpointer(tmp_path).load()["site"]["outer_round"] == 3

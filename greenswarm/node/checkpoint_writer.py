@@ -48,7 +48,7 @@ class BackgroundWriter:
 
     def __init__(self, checkpointer: Checkpointer):
         self.checkpointer = checkpointer
-        self._waiting: tuple[dict[str, Any], Callable[[], None] | None] | None = None
+        self._waiting: tuple[dict[str, Any] | None, Callable[[], None] | None] | None = None
         self._writing = False
         self._error: BaseException | None = None
         self._closed = False
@@ -56,9 +56,9 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, payload: dict[str, Any], then: Callable[[], None] | None = None) -> None:
-        """Write ``payload`` (a :func:`snapshot`), then call ``then`` on the writer's thread. Waits only
-        while another snapshot is already waiting."""
+    def submit(self, payload: dict[str, Any] | None, then: Callable[[], None] | None = None) -> None:
+        """Write ``payload`` (a :func:`snapshot`; None: nothing to write), then call ``then`` on the
+        writer's thread. Waits only while another snapshot is already waiting."""
         with self._cond:
             self._raise_failure()
             while self._waiting is not None:
@@ -107,7 +107,8 @@ class BackgroundWriter:
                 self._writing = True
                 self._cond.notify_all()
             try:
-                self.checkpointer.save(payload)
+                if payload is not None:
+                    self.checkpointer.save(payload)
                 del payload  # free the snapshot before what follows
                 if then is not None:
                     then()

@@ -90,6 +90,11 @@ class NodeConfig:
     change) and expire after ``progress_ttl_s``, so a dead site leaves the table by itself.
     ``restart: on-crash`` keeps the imports in a supervisor process and forks a new node at once when
     the node dies by a signal (see :mod:`greenswarm.node.supervisor`).
+    ``checkpoint_every_s``: after an outer step, write the checkpoint only when at least this many wall
+    seconds have passed since the last one (0: after every outer step). A ~1 B-parameter site's
+    checkpoint is ~20 GB, too much for every round; a site that crashes resumes from its last one,
+    catches up with the swarm and trains the data since then again. A stop always writes one, and so
+    does an outer step whose held-out loss may be kept among the best (``eval.keep_best``).
     """
 
     run_dir: str = "runs/site"
@@ -106,13 +111,17 @@ class NodeConfig:
     keep_globals: int = (
         0  # keep the global model of the last N outer steps in run_dir/globals (for inspection)
     )
+    checkpoint_every_s: float = (
+        0.0  # write the checkpoint after an outer step only this often (0: every step)
+    )
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")
         if self.max_restarts < 0:
             raise ConfigError(f"must be >= 0, got {self.max_restarts}", field="max_restarts")
-        if self.keep_globals < 0:
-            raise ConfigError(f"must be >= 0, got {self.keep_globals}", field="keep_globals")
+        for name in ("keep_globals", "checkpoint_every_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, name)}", field=name)
         for name in (
             "progress_refresh_s",
             "progress_ttl_s",

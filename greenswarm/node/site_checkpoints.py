@@ -6,10 +6,11 @@ momentum, outer step, lineage and the ancestors it serves), the energy ledger, t
 round this site averaged in but did not apply (:class:`~greenswarm.node.state_sync.PendingRound`):
 forgetting it across a restart would count its update twice on the next catch-up.
 
-After each outer step this component also keeps the best checkpoints by held-out loss (when an
-evaluation is due) and, when ``node.keep_globals`` asks, the last global models named by outer step
-and lineage. With ``background`` (rounds that run beside training, ``averaging.overlap``) the loop
-only takes the state and the held-out loss after an outer step; a
+A checkpoint follows every outer step, or (``node.checkpoint_every_s``) the first outer step after
+that many wall seconds. After each outer step this component also keeps the best checkpoints by
+held-out loss (when an evaluation is due) and, when ``node.keep_globals`` asks, the last global
+models named by outer step and lineage. With ``background`` (rounds that run beside training,
+``averaging.overlap``) the loop only takes the state and the held-out loss after an outer step; a
 :class:`~greenswarm.node.checkpoint_writer.BackgroundWriter` writes the file and keeps what follows it.
 Every other save (the last one, at a stop) waits for the writer and is written at once.
 """
@@ -17,6 +18,7 @@ Every other save (the last one, at a stop) waits for the writer and is written a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,8 @@ class SiteCheckpoints:
         self.ranks, self.state, self.sync, self.stats, self.ledger = ranks, state, sync, stats, ledger
         self.log = log or logging.getLogger(__name__)
         self.writer = BackgroundWriter(self.checkpointer) if background else None
+        self.every_s = cfg.node.checkpoint_every_s
+        self._last_save: float | None = None  # monotonic time of the last checkpoint (None: none yet)
 
     def resume(self) -> bool:
         """Restore the newest verified checkpoint, if there is one."""
@@ -68,6 +72,7 @@ class SiteCheckpoints:
         self.stats.load_state_dict(payload["site"])
         self.ledger.load_state_dict(payload["ledger"])
         self.sync.load_state_dict(payload.get("sync", {}))  # (a checkpoint from before it kept one)
+        self._last_save = time.monotonic()
         self.log.info(
             "resumed from %s: outer step %d, %d local steps, global digest %s",
             self.checkpointer.path,
@@ -86,20 +91,32 @@ class SiteCheckpoints:
             except Exception as e:
                 self.log.warning("an earlier checkpoint write failed (%s); writing this one now", e)
         self.checkpointer.save(self._payload())
+        self._last_save = time.monotonic()
 
     def after_step(self, evaluate: Callable[[], float]) -> float | None:
-        """After an outer step: save, evaluate and keep the best checkpoints when due, keep the global
-        model when asked. Returns the held-out loss when one was measured."""
+        """After an outer step: save (when ``node.checkpoint_every_s`` says so), evaluate and keep the
+        best checkpoints when due, keep the global model when asked. Returns the held-out loss when one
+        was measured."""
+        outer_round, lineage = self.state.outer_round, self.state.lineage
+        save = self._save_due() or (self.best.cfg.keep_best > 0 and self.best.due(outer_round))
         if self.writer is not None:
             self.writer.wait_for_slot()  # a snapshot is model-sized: no third one while two are held
-        payload = self._payload(own=self.writer is not None)
-        outer_round, lineage, params = self.state.outer_round, self.state.lineage, payload["outer"][0]
-        if self.writer is None:
-            self.checkpointer.save(payload)
+        payload = self._payload(own=self.writer is not None) if save else None
+        if payload is not None:
+            params = payload["outer"][0]
+        elif self.keep_globals and self.writer is not None:  # kept later, on the writer's thread
+            params = self.state.params.clone()
+        else:
+            params = self.state.params
+        if payload is not None:
+            self._last_save = time.monotonic()
+            if self.writer is None:
+                self.checkpointer.save(payload)
         loss = self.best.measure(outer_round, evaluate)  # the model of the payload: nothing trained since
 
         def after_written() -> None:
-            self.best.keep_if_best(outer_round, lineage, loss)
+            if payload is not None:
+                self.best.keep_if_best(outer_round, lineage, loss)
             self._keep_global(outer_round, lineage, params)
 
         if self.writer is None:
@@ -107,6 +124,11 @@ class SiteCheckpoints:
         else:
             self.writer.submit(payload, after_written)
         return loss
+
+    def _save_due(self) -> bool:
+        """Whether an outer step's checkpoint is due: the first one, or ``every_s`` seconds after the
+        last one written or read back."""
+        return self._last_save is None or time.monotonic() - self._last_save >= self.every_s
 
     def close(self) -> None:
         """Finish a background write under way and end its thread (the node is closing)."""
