@@ -18,6 +18,9 @@ against the node) give the baseline. Per site, from the node's own step timestam
 
     python benchmarks/round_overlap.py --preset small --sites 2 --seconds 600 --sync 60 --overlap --json
 
+``--checkpoint-every S`` sets ``node.checkpoint_every_s`` (default 0: a checkpoint after every outer
+step, whose writing, ~2 GB at ``small``, competes with the steps for the CPU).
+
 ``--nat`` (needs root) runs the sites behind NAT instead: tests/netns.py's topology, the bootstrap
 in the hub namespace, each site in a namespace of its own, reached through the bootstrap's relay,
 every link shaped to ``--mbit`` with tbf (each site's link carries its upload and its download):
@@ -112,7 +115,7 @@ def site_config(i: int, swarm: str, peers: list[str], trace: Path, run_dir: Path
             "clock": {"kind": "replay", "speedup": SPEEDUP, "start_wall": args._start_wall},
         },
         "averaging": {"sync_interval_s": args.sync * SPEEDUP, "overlap": args.overlap},
-        "node": {"run_dir": str(run_dir), "log_every_s": 30.0},
+        "node": {"run_dir": str(run_dir), "log_every_s": 30.0, "checkpoint_every_s": args.checkpoint_every},
     }
 
 
@@ -259,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="averaging.overlap on (default) or off",
     )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="node.checkpoint_every_s: wall s between checkpoints (0, the default: after every outer step)",
+    )
     parser.add_argument("--nat", action="store_true", help="sites behind NAT, through the relay (root)")
     parser.add_argument(
         "--mbit", type=float, default=50.0, help="with --nat: every link's rate (50; 0: unshaped)"
@@ -302,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "sites": args.sites,
             "seconds": args.seconds,
             "sync_wall_s": args.sync,
+            "checkpoint_every_s": args.checkpoint_every,
             "nat_mbit": args.mbit if args.nat else None,
             "threads": THREADS,
             "batch": BATCH,
