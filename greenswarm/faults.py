@@ -38,6 +38,10 @@ For example ``GREENSWARM_FAULTS=kill:allreduce@2`` kills the site in its second 
 
 ``after-rounds@N`` holds every other entry back until this process has taken part in N averaged
 rounds (visits before that are not counted): a restarted site proves it is back before it falls again.
+
+``min-group@K`` counts visits to ``corrupt-result`` and ``withhold-digest`` only in rounds whose group
+has at least K members: a majority of two cannot outvote a corrupted member, so a test of the
+majority rule wants its fault in a group of three, whichever round that turns out to be.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class FaultPlan:
     actions: dict[str, str] = field(default_factory=dict)  # process point -> kill | stop
     site_pid: int = field(default_factory=os.getpid)  # the node's process: the root of the site
     after_rounds: int = 0  # count nothing until this process has taken part in this many rounds
+    min_group: int = 0  # count group-sized points only in groups of at least this many members
     record: str | None = None  # a JSON-lines file that gets one line per process fault, before it fires
     _visits: Counter = field(default_factory=Counter)
     # averaged rounds so far, shared with the forked averager process (whose points count too)
@@ -82,10 +87,10 @@ class FaultPlan:
         plan = cls()
         for entry in filter(None, (e.strip() for e in text.split(","))):
             spec, _, when = entry.partition("@")
-            if spec == "after-rounds":
+            if spec in ("after-rounds", "min-group"):
                 if not when.isdigit():
-                    raise ConfigError(f"{entry!r}: expected after-rounds@N (N >= 0)", field=ENV)
-                plan.after_rounds = int(when)
+                    raise ConfigError(f"{entry!r}: expected {spec}@N (N >= 0)", field=ENV)
+                setattr(plan, spec.replace("-", "_"), int(when))
                 continue
             action, _, point = spec.rpartition(":")
             if action:
@@ -124,9 +129,12 @@ class FaultPlan:
         """The node took part in an averaged round (see ``after-rounds``)."""
         self._rounds.value += 1
 
-    def fires(self, point: str) -> bool:
-        """Count a visit to ``point``; True when the plan says this visit fails."""
+    def fires(self, point: str, group: int | None = None) -> bool:
+        """Count a visit to ``point`` (in a round of a ``group`` of that many members, where it has
+        one); True when the plan says this visit fails."""
         if point not in self.at or self._rounds.value < self.after_rounds:
+            return False
+        if group is not None and group < self.min_group:
             return False
         self._visits[point] += 1
         visits = self.at[point]

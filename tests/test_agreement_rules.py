@@ -94,6 +94,12 @@ def test_fault_plan_fires_on_the_named_visits() -> None:
     assert not FaultPlan.parse("").fires("corrupt-result")
 
 
+def test_min_group_counts_visits_only_in_groups_that_large() -> None:
+    """``min-group@3``: a round of two is no visit at all; the first round of three is visit 1."""
+    plan = FaultPlan.parse("corrupt-result@1,min-group@3")
+    assert [plan.fires("corrupt-result", group) for group in (2, 2, 3, 3)] == [False, False, True, False]
+
+
 def test_process_faults_wait_for_their_rounds_and_record_themselves(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     plan = FaultPlan.parse("after-rounds@1,kill:step@2,stop:allreduce@*")
     assert plan.actions == {"step": "kill", "allreduce": "stop"} and plan.armed("step")
@@ -119,7 +125,16 @@ def test_round_log_skips_a_torn_last_line(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(
-    "text", ["explode@1", "corrupt-result@0", "corrupt-result@x", "kill:nowhere@1", "zap:step@1", "step@1"]
+    "text",
+    [
+        "explode@1",
+        "corrupt-result@0",
+        "corrupt-result@x",
+        "kill:nowhere@1",
+        "zap:step@1",
+        "step@1",
+        "min-group@x",
+    ],
 )
 def test_fault_plan_errors_name_the_variable(text: str) -> None:
     with pytest.raises(ConfigError, match="GREENSWARM_FAULTS"):

@@ -145,42 +145,96 @@ def test_a_site_takes_no_third_snapshot_while_two_are_held(tmp_path: Path) -> No
     assert CountingRanks.taken == 3 and Checkpointer(tmp_path).load() is not None
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_checkpoint_every_s_skips_outer_steps_but_never_a_stop_or_a_kept_global(
-    tmp_path: Path, background: bool
-) -> None:
-    """``node.checkpoint_every_s``: the first outer step's checkpoint is written, the next ones within
-    the interval are not (the state is not even copied), ``keep_globals`` still keeps every global
-    model, and a stop writes the site's state as it is."""
-    from greenswarm.faults import FaultPlan
-    from greenswarm.node.config import load_site_config
-    from greenswarm.node.site_checkpoints import SiteCheckpoints
-    from greenswarm.node.site_stats import SiteStats
-    from greenswarm.node.state_sync import StateSync
-    from tests.test_rounds import ME, N, _Ledger, _SavingRanks, global_state
+def _counting_ranks(local: torch.Tensor) -> Any:
+    """test_rounds.py's saving ranks, counting the states taken (each one a model-sized copy)."""
+    from tests.test_rounds import _SavingRanks
 
     class CountingRanks(_SavingRanks):
         taken = 0
 
         def save(self, own: bool = False) -> dict[str, Any]:
-            CountingRanks.taken += 1
+            self.taken += 1
             return super().save(own)
 
-    sets = ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}", "node.checkpoint_every_s=3600"]
-    cfg = load_site_config(None, [*sets, "node.keep_globals=10"])
-    state, ranks = global_state(1.0), CountingRanks(torch.zeros(N))
+    return CountingRanks(local)
+
+
+def _cadenced_site(tmp_path: Path, background: bool, *sets: str) -> tuple[Any, Any, Any]:
+    """A SiteCheckpoints writing at most once an hour, its ranks and its global state."""
+    from greenswarm.faults import FaultPlan
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.site_checkpoints import SiteCheckpoints
+    from greenswarm.node.site_stats import SiteStats
+    from greenswarm.node.state_sync import StateSync
+    from tests.test_rounds import N, _Ledger, global_state
+
+    base = ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}", "node.checkpoint_every_s=3600"]
+    cfg = load_site_config(None, [*base, *sets])
+    state, ranks = global_state(1.0), _counting_ranks(torch.zeros(N))
     sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 0.3)
-    site = SiteCheckpoints(
-        cfg, FaultPlan(), ranks, state, sync, SiteStats(), _Ledger(), background=background
-    )
-    for slot in range(3):
-        state.apply(torch.full((N,), 0.1), slot, [ME])
-        site.after_step(lambda: 0.0)
+    site = SiteCheckpoints(cfg, FaultPlan(), ranks, state, sync, SiteStats(), _Ledger(), background)
+    return site, ranks, state
+
+
+def _step(site: Any, state: Any, slot: int, loss: float = 0.0) -> None:
+    from tests.test_rounds import ME, N
+
+    state.apply(torch.full((N,), 0.1), slot, [ME])
+    site.after_step(lambda: loss)
     if site.writer is not None:
         site.writer.flush()
-    assert CountingRanks.taken == 1
-    assert Checkpointer(tmp_path).load()["site"]["outer_round"] == 1
+
+
+def _written_step(tmp_path: Path) -> int:
+    return Checkpointer(tmp_path).load()["site"]["outer_round"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_checkpoint_every_s_skips_outer_steps_but_not_a_stop_or_a_kept_global(
+    tmp_path: Path, background: bool
+) -> None:
+    """``node.checkpoint_every_s``: the first outer step's checkpoint is written, the next ones within
+    the interval are not (the state is not even copied), ``keep_globals`` still keeps every global
+    model, going IDLE writes the skipped state, and so does a stop."""
+    site, ranks, state = _cadenced_site(tmp_path, background, "node.keep_globals=10")
+    for slot in range(3):
+        _step(site, state, slot)
+    assert ranks.taken == 1 and _written_step(tmp_path) == 1
     assert len(list((tmp_path / "globals").glob("outer-*.pt"))) == 3
+    site.save_if_behind()  # the node goes IDLE
+    assert ranks.taken == 2 and _written_step(tmp_path) == 3
+    site.save_if_behind()  # nothing new since
+    assert ranks.taken == 2
+    _step(site, state, 3)
     site.save()  # a stop
     site.close()
-    assert CountingRanks.taken == 2 and Checkpointer(tmp_path).load()["site"]["outer_round"] == 3
+    assert ranks.taken == 3 and _written_step(tmp_path) == 4
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_checkpoint_every_s_writes_a_step_kept_among_the_best_and_no_other(
+    tmp_path: Path, background: bool
+) -> None:
+    """A step whose held-out loss makes the best k is written (its kept file is that step's), one that
+    does not make it is skipped like any other within the interval."""
+    sets = ("eval.batches=1", "eval.keep_best=2", "data.num_shards=2")
+    site, ranks, state = _cadenced_site(tmp_path, background, *sets)
+    for slot, loss in enumerate((3.0, 2.0, 2.5, 4.0)):  # kept, kept, kept (drops 3.0), not kept
+        _step(site, state, slot, loss)
+    site.close()
+    assert ranks.taken == 3 and _written_step(tmp_path) == 3
+    kept = sorted(Checkpointer.read(f)["site"]["outer_round"] for f in (tmp_path / "best").glob("*.pt"))
+    assert kept == [2, 3]
+
+
+def test_a_restarted_site_writes_its_first_outer_step_whatever_the_cadence(tmp_path: Path) -> None:
+    """The checkpoint a site resumed from may be nearly an interval old: the first step after a restart
+    is written (a crash loop must not retrain the same data again and again)."""
+    site, ranks, state = _cadenced_site(tmp_path, False)
+    _step(site, state, 0)
+    _step(site, state, 1)
+    assert ranks.taken == 1
+    again, ranks2, state2 = _cadenced_site(tmp_path, False)
+    assert again.resume() and state2.outer_round == 1
+    _step(again, state2, 5)
+    assert ranks2.taken == 1 and _written_step(tmp_path) == 2

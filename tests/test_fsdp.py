@@ -1,4 +1,5 @@
-"""A two-rank FSDP2 site (torchrun, gloo, CPU) joins a swarm with a one-rank site and averages with it."""
+"""A two-rank FSDP2 site (torchrun, gloo, CPU) joins a swarm with a one-rank site and averages with it,
+in overlapped rounds (so the sharded rebase, every rank adding its shard of the shift, runs too)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path
             shard=shard,
             shards=2,
             node={"keep_globals": 100},
+            averaging={"overlap": True},
         )
         swarm.node(name, swarm.write_config(name, cfg), prefix=prefix)
     end_wall = swarm.start_replay(["site-fsdp", "site-single"], start_file) + HOURS * 3600 / SPEEDUP

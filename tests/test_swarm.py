@@ -1,6 +1,7 @@
 """A bootstrap peer and three site nodes as real processes on a trace whose windows are known.
 
-Trace (3 h of 5-minute samples, replayed at 180x so it lasts a minute):
+Trace (3 h of 5-minute samples, replayed at 120x so it lasts a minute and a half; a round every 10
+trace minutes, 5 wall seconds):
 
     minutes   0-30   30-60   60-90   90-120  120-150  150-180
     WEST      in     in      in      in*     -        -       (* until minute 105)
@@ -37,8 +38,12 @@ pytestmark = pytest.mark.swarm
 
 LOW, HIGH = 20.0, 500.0
 WINDOWS_MIN = {"WEST": (0, 105), "MID": (30, 150), "EAST": (60, 120)}
-SPEEDUP, SYNC_S = 180.0, 900.0
-EDGE_MIN = 3  # trace minutes (1 wall second) a transition may lag the trace: a training step's length
+# EAST's window holds 6 rounds (4 when they were 15 trace minutes apart): one is the corrupted round,
+# and its other checks must survive a round that fails for cause under load (a groupmate that dropped
+# out of matchmaking as the group formed voids the round for everyone; a laggard that catches up at
+# a boundary misses that round's matchmaking), which the node reports and retries, as designed
+SPEEDUP, SYNC_S = 120.0, 600.0
+EDGE_MIN = 3  # trace minutes (1.5 wall seconds) a transition may lag the trace: about a training step
 # the longest a round can hold a site past its window's end, every timeout firing (trace minutes)
 LONGEST_ROUND_MIN = AveragingConfig(**LOOPBACK_TIMEOUTS).longest_round_s() * SPEEDUP / 60
 TRANSITION = re.compile(
@@ -102,9 +107,10 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
             shards=3,
             node={"keep_globals": 100},
         )
-        # EAST's first round is a three-site round: its result is corrupted there (as a lost part
-        # would), so the group's digest check must make it resynchronize from the other two
-        faults = {"GREENSWARM_FAULTS": "corrupt-result@1"} if region == "EAST" else None
+        # EAST's first three-site round (whichever that is: an earlier one may fail, or be a round of
+        # two) has its result corrupted there (as a lost part would), so the group's digest check must
+        # make it resynchronize from the other two
+        faults = {"GREENSWARM_FAULTS": "corrupt-result@1,min-group@3"} if region == "EAST" else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
         sites[name] = region
     start_wall = swarm.start_replay(list(sites), start_file)
@@ -162,8 +168,9 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         trained = summary["seconds_by_state"]["SOLO"] + summary["seconds_by_state"]["FEDERATED"]
         assert abs(trained - (hi - lo) * 60) <= (4 + max(0.0, late)) * 60, summary["seconds_by_state"]
         # it averaged with others, and its loss fell from where it started. How far depends on how
-        # many steps its window held: EAST's is 20 wall seconds (18 steps, loss 4.67, beside a second
-        # soak), so the swarm's learning is asserted below, on the sites that trained longest
+        # many steps its window held: EAST's is 30 wall seconds (at 180x it was 20: 18 steps, loss
+        # 4.67, beside a second soak), so the swarm's learning is asserted below, on the sites that
+        # trained longest
         assert summary["federated_rounds"] >= 2, summary
         assert loss_fell(summary), summary
         assert summary["energy_kwh"] > 0 and summary["emissions_g"] > 0

@@ -249,6 +249,20 @@ class BestCheckpoints:
         except OSError as e:  # a full or read-only disk must not stop training
             log.warning("could not keep outer step %d in %s: %s", outer_round, self.directory, e)
 
+    def would_keep(self, outer_round: int, lineage: str, loss: float | None) -> bool:
+        """Whether :meth:`keep_if_best` would keep this loss (a site that checkpoints only every so
+        often writes a checkpoint for a step that will be kept, and for no other)."""
+        if loss is None or not math.isfinite(loss) or not self.cfg.keep_best:
+            return False
+        entry = BestEntry(_file_name(outer_round, loss, lineage), loss, outer_round, lineage, 0.0)
+        return entry in self._ranked(entry)
+
+    def _ranked(self, entry: BestEntry) -> list[BestEntry]:
+        """The k best entries with ``entry`` among the candidates (the same global model evaluated
+        again, e.g. after a restart, replaces its older entry)."""
+        others = [e for e in self.entries if (e.outer_round, e.lineage) != (entry.outer_round, entry.lineage)]
+        return sorted([*others, entry], key=BestEntry.key)[: self.cfg.keep_best]
+
     # ---- keeping files
 
     def keep(self, outer_round: int, lineage: str, loss: float) -> Path | None:
@@ -262,9 +276,7 @@ class BestCheckpoints:
             log.warning("no checkpoint to keep at %s", self.checkpointer.path)
             return None
         entry = BestEntry(_file_name(outer_round, loss, lineage), loss, outer_round, lineage, time.time())
-        # the same global model evaluated again (e.g. after a restart) replaces its older entry
-        others = [e for e in self.entries if (e.outer_round, e.lineage) != (outer_round, lineage)]
-        kept = sorted([*others, entry], key=BestEntry.key)[: self.cfg.keep_best]
+        kept = self._ranked(entry)
         if entry not in kept and kept == self.entries:
             return None
         self.directory.mkdir(parents=True, exist_ok=True)

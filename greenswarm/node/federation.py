@@ -220,13 +220,14 @@ class Federation:
         :mod:`greenswarm.averaging.agreement`); the verdict and the seconds it took."""
         averaged = outcome.averaged
         assert averaged is not None  # an ok outcome carries its average
-        if self.faults.fires("corrupt-result"):
+        group = len(outcome.members)
+        if self.faults.fires("corrupt-result", group):
             n = max(1, averaged.numel() // 10)
             averaged[:n] = delta[:n]  # as if the part reduced elsewhere had been lost
             self.log.warning("fault injected: corrupt-result (first %d values not averaged)", n)
         started = time.monotonic()
         digest = state.agreement_digest(averaged)
-        publish = not self.faults.fires("withhold-digest")
+        publish = not self.faults.fires("withhold-digest", group)
         if not publish:
             self.log.warning("fault injected: withhold-digest (this site's digest is not published)")
         published = self.digests.exchange(

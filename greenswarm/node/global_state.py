@@ -89,6 +89,17 @@ class GlobalState:
                 self._digest = self.outer.digest()
             return self._digest
 
+    def hash_unlocked(self) -> None:
+        """Hash the state into the cache without holding the lock (a ~1 B-parameter state takes
+        seconds, while a groupmate may be waiting on the lock to download it). For the one thread that
+        moves the state at this moment (an overlapped round's, right after its step): the hash is
+        kept only if nothing moved the state meanwhile."""
+        where = self._position
+        digest = self.outer.digest()
+        with self.lock:
+            if self._digest is None and self._position == where:
+                self._digest = digest
+
     def pseudo_gradient(self, local: torch.Tensor) -> torch.Tensor:
         """``global - local``: what local training moved since the last outer step."""
         return self.outer.pseudo_gradient(local)

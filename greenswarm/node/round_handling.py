@@ -231,7 +231,7 @@ class RoundHandler:
         flight.delta.sub_(self.state.params)
         self.state.apply(result.averaged, result.slot, result.members)
         flight.delta.add_(self.state.params)
-        self.state.digest()
+        self.state.hash_unlocked()
         flight.applied = True
 
     def _settled(self, held: PendingRound) -> None:

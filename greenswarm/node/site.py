@@ -145,6 +145,8 @@ class SiteNode:
                 self._catch_up(in_window_only=False)
             elif new is IDLE and old is SOLO and self.stats.tokens_since_sync:
                 self._end_round(SOLO)  # the only site in a window: bank its progress as it leaves
+            if new is IDLE:
+                self.checkpoints.save_if_behind()  # (a checkpoint cadence may have skipped the last step)
             self._report(force=True)
         return self.state
 
@@ -160,8 +162,10 @@ class SiteNode:
         ``averaging.overlap``, a federated round only begins here and training goes on; its result
         is acted on when it arrives (:meth:`_finish_round`). ``began``: when the loop stopped training
         for this round, if before this call."""
-        finished = self._finish_round()  # the last round's result comes first (waiting for it, if need be)
-        if began is None or finished:  # (a wait for the last round is in that round's line)
+        # the last round's result comes first (waiting for it, if need be; the wait and the poll before
+        # it are in that round's line)
+        finished = self._finish_round(began)
+        if began is None or finished:
             began = time.monotonic()
         self._slot = self._slot_of(self.clock.now())
         if self.round_handler.catch_up_due(state is FEDERATED):
@@ -174,12 +178,13 @@ class SiteNode:
             return
         self._after_round(self.round_handler.end(state is FEDERATED, self._slot, self._partners), began)
 
-    def _finish_round(self) -> bool:
+    def _finish_round(self, stopped: float | None = None) -> bool:
         """Act on the round in flight, if there is one (waiting for its result when it has none yet);
-        whether there was one."""
+        whether there was one. ``stopped``: when the loop stopped training, if before this call."""
         if self.round_handler.in_flight is None:
             return False
-        began = time.monotonic() - self._begin_s  # (waiting for the result holds training up too)
+        # training was held up by the round's begin, and now from ``stopped`` (or now) until it is done
+        began = (time.monotonic() if stopped is None else stopped) - self._begin_s
         self._after_round(self.round_handler.finish(), began)
         return True
 

@@ -60,7 +60,8 @@ class SiteCheckpoints:
         self.log = log or logging.getLogger(__name__)
         self.writer = BackgroundWriter(self.checkpointer) if background else None
         self.every_s = cfg.node.checkpoint_every_s
-        self._last_save: float | None = None  # monotonic time of the last checkpoint (None: none yet)
+        self._last_save: float | None = None  # monotonic time of the last checkpoint written (None: none)
+        self._unsaved = False  # an outer step's state was not written (the cadence skipped it)
 
     def resume(self) -> bool:
         """Restore the newest verified checkpoint, if there is one."""
@@ -72,7 +73,6 @@ class SiteCheckpoints:
         self.stats.load_state_dict(payload["site"])
         self.ledger.load_state_dict(payload["ledger"])
         self.sync.load_state_dict(payload.get("sync", {}))  # (a checkpoint from before it kept one)
-        self._last_save = time.monotonic()
         self.log.info(
             "resumed from %s: outer step %d, %d local steps, global digest %s",
             self.checkpointer.path,
@@ -91,14 +91,15 @@ class SiteCheckpoints:
             except Exception as e:
                 self.log.warning("an earlier checkpoint write failed (%s); writing this one now", e)
         self.checkpointer.save(self._payload())
-        self._last_save = time.monotonic()
+        self._last_save, self._unsaved = time.monotonic(), False
 
     def after_step(self, evaluate: Callable[[], float]) -> float | None:
-        """After an outer step: save (when ``node.checkpoint_every_s`` says so), evaluate and keep the
-        best checkpoints when due, keep the global model when asked. Returns the held-out loss when one
-        was measured."""
+        """After an outer step: evaluate when due, save (every step, or as ``node.checkpoint_every_s``
+        says, and always for a step whose loss is kept among the best), keep the best checkpoints and
+        the global model when asked. Returns the held-out loss when one was measured."""
         outer_round, lineage = self.state.outer_round, self.state.lineage
-        save = self._save_due() or (self.best.cfg.keep_best > 0 and self.best.due(outer_round))
+        loss = self.best.measure(outer_round, evaluate)  # evaluating changes nothing the payload holds
+        save = self._save_due() or self.best.would_keep(outer_round, lineage, loss)
         if self.writer is not None:
             self.writer.wait_for_slot()  # a snapshot is model-sized: no third one while two are held
         payload = self._payload(own=self.writer is not None) if save else None
@@ -108,11 +109,11 @@ class SiteCheckpoints:
             params = self.state.params.clone()
         else:
             params = self.state.params
+        self._unsaved = payload is None
         if payload is not None:
             self._last_save = time.monotonic()
             if self.writer is None:
                 self.checkpointer.save(payload)
-        loss = self.best.measure(outer_round, evaluate)  # the model of the payload: nothing trained since
 
         def after_written() -> None:
             if payload is not None:
@@ -125,9 +126,16 @@ class SiteCheckpoints:
             self.writer.submit(payload, after_written)
         return loss
 
+    def save_if_behind(self) -> None:
+        """Write the checkpoint now if an outer step since the last one was not written (the node
+        calls it when it goes IDLE: its newest state must not wait on no disk for a whole idle gap,
+        and idle is the cheapest time to write it)."""
+        if self._unsaved:
+            self.save()
+
     def _save_due(self) -> bool:
-        """Whether an outer step's checkpoint is due: the first one, or ``every_s`` seconds after the
-        last one written or read back."""
+        """Whether an outer step's checkpoint is due: the first one since the start (a restart too:
+        the checkpoint it resumed from may be old), or ``every_s`` seconds after the last one."""
         return self._last_save is None or time.monotonic() - self._last_save >= self.every_s
 
     def close(self) -> None:

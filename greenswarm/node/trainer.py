@@ -165,7 +165,7 @@ class InnerTrainer:
                 full = flat[offset : offset + n].view(shape) if self.world.is_leader else torch.empty(shape)
                 full = full.to(p.device_mesh.device_type, p.dtype)
                 shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
-                target, value = p.to_local(), shard.to_local()
+                target, value = p.to_local(), shard.to_local().to(p.to_local().device)
             else:
                 target, value = p, flat[offset : offset + n].view(shape).to(p.device, p.dtype)
             if add:
