@@ -102,18 +102,18 @@ class SiteCheckpoints:
         save = self._save_due() or self.best.would_keep(outer_round, lineage, loss)
         if self.writer is not None:
             self.writer.wait_for_slot()  # a snapshot is model-sized: no third one while two are held
-        payload = self._payload(own=self.writer is not None) if save else None
-        if payload is not None:
+        payload: dict[str, Any] | None = None
+        if save:
+            payload = self._payload(own=self.writer is not None)
             params = payload["outer"][0]
+            self._last_save = time.monotonic()
+            if self.writer is None:
+                self.checkpointer.save(payload)
         elif self.keep_globals and self.writer is not None:  # kept later, on the writer's thread
             params = self.state.params.clone()
         else:
             params = self.state.params
-        self._unsaved = payload is None
-        if payload is not None:
-            self._last_save = time.monotonic()
-            if self.writer is None:
-                self.checkpointer.save(payload)
+        self._unsaved = not save
 
         def after_written() -> None:
             if payload is not None:
