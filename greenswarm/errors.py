@@ -47,3 +47,10 @@ class SwarmError(GreenswarmError):
     """The swarm cannot be reached or joined (bad or unreachable --initial-peers, ...)."""
 
     exit_code = 3
+
+
+class StorageError(GreenswarmError):
+    """A file the node must write cannot be written (a full disk, a read-only ``run_dir``); the message
+    names the file and what is left on its disk."""
+
+    exit_code = 4

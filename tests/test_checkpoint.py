@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+from greenswarm.errors import StorageError
 from greenswarm.node.checkpoint import Checkpointer, content_digest
 
 
@@ -140,3 +143,28 @@ def test_read_verifies_any_checkpoint_file(tmp_path: Path) -> None:
     assert Checkpointer.read(copy) is None
     torch.save([1, 2, 3], copy)
     assert Checkpointer.read(copy) is None
+
+
+def test_a_write_that_fails_names_the_file_and_keeps_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk (torch says "unexpected pos") is a one-line error naming the file and the space
+    left, not torch's traceback; the torn file is removed and the last checkpoint still loads."""
+    ckpt = Checkpointer(tmp_path / "run")
+    ckpt.save(payload(1))
+
+    def full_disk(obj: object, f: Any) -> None:
+        f.write(b"PK partial")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 1191806336 vs 1191806224"
+        )
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(
+        StorageError, match=r"could not write the checkpoint .*checkpoint\.pt\.tmp .*MiB free"
+    ):
+        ckpt.save(payload(2))
+    monkeypatch.undo()
+    assert not ckpt.pending.exists()
+    loaded = ckpt.load()
+    assert loaded is not None and loaded["site"] == {"local_steps": 1}

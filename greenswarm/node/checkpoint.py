@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from greenswarm.digests import content_digest
+from greenswarm.errors import StorageError
 from greenswarm.faults import FaultPlan
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,18 @@ class Checkpointer:
         earlier checkpoint (``run_dir/best``) keeps its contents.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.pending, "wb") as f:
-            torch.save({"format": FORMAT, "digest": content_digest(payload), **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.pending, "wb") as f:
+                torch.save({"format": FORMAT, "digest": content_digest(payload), **payload}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as "unexpected pos" (RuntimeError)
+            self.pending.unlink(missing_ok=True)  # a torn file, and the space it took
+            free = shutil.disk_usage(self.directory).free
+            raise StorageError(
+                f"could not write the checkpoint {self.pending} ({free / 2**20:,.0f} MiB free on its disk): "
+                f"{str(e).strip()}; {self.path} still holds the last one"
+            ) from e
         if self.path.exists():
             os.replace(self.path, self.previous)
         self._faults.hit("checkpoint")  # the moment with no checkpoint.pt on disk
