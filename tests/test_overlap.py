@@ -23,7 +23,7 @@ from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import EvalConfig, HeldOut
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.ranks import SiteRanks
-from greenswarm.node.round_handling import RoundHandler
+from greenswarm.node.round_handling import RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.trainer import InnerTrainer
 from tests.test_rounds import (
@@ -255,3 +255,22 @@ def test_kills_during_a_background_round_and_a_background_write_resume_exactly(
 
     faults = [Fault("site-2", "kill", "allreduce", 2), Fault("site-0", "kill", "checkpoint", 2)]
     assert_survived(run_campaign(swarm, tmp_path, faults, averaging={"overlap": True}), faults)
+
+
+def test_an_overlapped_round_looks_for_its_group_at_least_one_inner_step_long() -> None:
+    """Groupmates reach a boundary when their step in progress ends, up to a step apart: an overlapped
+    round (which waits on its own thread) looks for its group at least that long, within a quarter of
+    the sync interval; short steps leave the configured time as it is."""
+    assert overlapped_matchmaking_s(5.0, [], 60.0) == 5.0  # no step yet
+    assert overlapped_matchmaking_s(5.0, [0.01, 0.02], 60.0) == 5.0  # steps shorter than configured
+    assert overlapped_matchmaking_s(5.0, [12.0, 19.5, 14.0], 120.0) == 19.5  # the longest recent step
+    assert overlapped_matchmaking_s(5.0, [40.0], 60.0) == 15.0  # capped: it must fail before the next round
+    assert overlapped_matchmaking_s(30.0, [40.0], 60.0) == 30.0  # never below what is configured
+    # the round hands it to the averager (None: the configured time, as a blocking round uses)
+    averager = HeldAverager(outcome(torch.full((N,), 0.1), members=[ME, B], slot=3))
+    handler_ = handler(federation(averager), global_state(1.0), FakeRanks(torch.full((N,), 0.5)))
+    handler_.begin(3, lambda: 1, matchmaking_s=19.5)
+    averager.release.set()
+    _wait_ready(handler_)
+    handler_.finish()
+    assert averager.calls[0]["matchmaking_s"] == 19.5

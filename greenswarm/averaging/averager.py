@@ -39,7 +39,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 
 from greenswarm import hivemind_internals as seam
 from greenswarm.averaging.codecs import wire_format
@@ -145,9 +145,13 @@ class SwarmAverager(DecentralizedAverager):
         lineage: str,
         expected_size: int,
         gather: dict[str, Any],
+        matchmaking_s: float | None = None,
     ) -> RoundOutcome:
         """All-reduce ``delta`` (weighted) with a group of sites on ``lineage``; ``round_index`` is this
-        site's round slot (the group's slot is the latest of its members', see :class:`RoundOutcome`)."""
+        site's round slot (the group's slot is the latest of its members', see :class:`RoundOutcome`).
+        ``matchmaking_s``: how long this round looks for its group (``averaging.matchmaking_s`` if None);
+        it stays open to latecomers for up to twice that."""
+        matchmaking_s = self._cfg.matchmaking_s if matchmaking_s is None else matchmaking_s
         started = time.monotonic()
         control = None
         try:
@@ -165,20 +169,21 @@ class SwarmAverager(DecentralizedAverager):
             control = self.step(
                 gather={**gather, **shown, "slot": round_index, "wire_offer": offer, "norm": norm},
                 weight=max(float(weight), 1e-6),
-                timeout=2 * self._cfg.matchmaking_s,
+                scheduled_time=get_dht_time() + matchmaking_s,
+                timeout=2 * matchmaking_s,
                 # one attempt a round: a retried all-reduce would report only its own failure, hiding
                 # the one that ended the round; the next round is the retry
                 allow_retries=False,
                 wait=False,
             )
-            self._matchmaking_fault(control)
-            report = control.result(timeout=self._round_bound_s())
+            self._matchmaking_fault(control, matchmaking_s)
+            report = control.result(timeout=self._round_bound_s(matchmaking_s))
         except RoundFailed as e:  # the group formed, then the round failed: the report says how far it got
             return self._failed(e.reason, started, e.report, round_index)
         except Exception as e:  # hivemind reports failures as several exception types
             if control is not None and not control.done():  # our wait ran out: the process is gone or stuck
                 control.cancel()
-                silent = f"the averager process did not answer in {self._round_bound_s():.0f} s"
+                silent = f"the averager process did not answer in {self._round_bound_s(matchmaking_s):.0f} s"
                 return self._failed(silent, started)
             return self._failed(_describe(e), started)
         if not isinstance(report, RoundReport) or not report.gathered:
@@ -208,9 +213,9 @@ class SwarmAverager(DecentralizedAverager):
             report=report,
         )
 
-    def _round_bound_s(self) -> float:
+    def _round_bound_s(self, matchmaking_s: float) -> float:
         """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
-        return 2 * self._cfg.matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
+        return 2 * matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
 
     def _group_of(self, gathered: dict[str, Any], round_index: int) -> tuple[int, list[str], dict[str, str]]:
         """The group's slot (the latest of its members'), its admitted members and the updates every
@@ -242,11 +247,11 @@ class SwarmAverager(DecentralizedAverager):
             failed.residual = self._residual.clone()
         return failed
 
-    def _matchmaking_fault(self, control: Any) -> None:
+    def _matchmaking_fault(self, control: Any, matchmaking_s: float) -> None:
         """The ``matchmaking`` fault point: fire once the averager is looking for this round's group."""
         if not self._faults.armed("matchmaking"):
             return
-        deadline = time.monotonic() + 2 * self._cfg.matchmaking_s
+        deadline = time.monotonic() + 2 * matchmaking_s
         while control.stage.value < AveragingStage.LOOKING_FOR_GROUP.value and time.monotonic() < deadline:
             time.sleep(0.005)
         self._faults.hit("matchmaking")

@@ -45,11 +45,14 @@ class AveragingConfig:
     ``round_budget_s`` on the slowest member's measured link. All members of a group must configure
     the same format (or ``auto``).
     ``error_feedback`` carries what a round's coding left out into the next round's pseudo-gradient.
-    ``overlap`` runs a federated round beside training: the site snapshots its pseudo-gradient at the
-    boundary, trains on while the group averages and agrees, and applies the outer step when the
-    result arrives, keeping the inner steps taken meanwhile (one-step-delayed outer step,
-    docs/overlap.md); false blocks training for the whole round.
+    ``overlap`` (default true) runs a federated round beside training: the site snapshots its
+    pseudo-gradient at the boundary, trains on while the group averages and agrees, and applies the
+    outer step when the result arrives, keeping the inner steps taken meanwhile (docs/overlap.md);
+    false blocks training for the whole round, as before, for comparison.
     Timeouts are wall seconds and always set: hivemind's defaults wait forever.
+    ``matchmaking_s`` is how long a round looks for its group (its deadline is twice that). An
+    overlapped round looks at least as long as the site's longest recent inner step, up to a quarter
+    of the sync interval: sites reach a boundary when their step in progress ends, up to a step apart.
     ``agreement_timeout_s`` bounds the wait for the group's round digests after an all-reduce (and a
     dissenting site's wait for the majority's state); a member that has not answered by then counts
     as disagreeing.
@@ -68,7 +71,7 @@ class AveragingConfig:
     nesterov: bool = True
     wire: WireCodec = "auto"
     error_feedback: bool = True
-    overlap: bool = False
+    overlap: bool = True
     round_budget_s: float = 30.0
     matchmaking_s: float = 5.0
     request_timeout_s: float = 2.0

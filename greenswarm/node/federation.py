@@ -43,6 +43,7 @@ class Averager(Protocol):
         lineage: str,
         expected_size: int,
         gather: dict[str, Any],
+        matchmaking_s: float | None = None,
     ) -> RoundOutcome: ...
 
 
@@ -134,10 +135,17 @@ class Federation:
         self.first_round_s: float | None = None  # seconds from the node's start to its first averaged round
 
     def run(
-        self, delta: torch.Tensor, state: GlobalState, slot: int, partners: int, tokens: int
+        self,
+        delta: torch.Tensor,
+        state: GlobalState,
+        slot: int,
+        partners: int,
+        tokens: int,
+        matchmaking_s: float | None = None,
     ) -> RoundResult:
         """Average ``delta`` (this site's pseudo-gradient over ``tokens`` tokens, taken in round ``slot``)
-        with a group of up to ``partners`` other sites, and agree on the result."""
+        with a group of up to ``partners`` other sites, and agree on the result. ``matchmaking_s``: how
+        long to look for the group (``averaging.matchmaking_s`` if None)."""
         if not partners:
             return Failed(slot, "no other site is in a window any more", RoundOutcome(False))
         outcome = self.averager.average(
@@ -152,6 +160,7 @@ class Federation:
                 "outer_round": state.outer_round,
                 "recent": state.recent_update_norm,  # the scale the group screens updates against
             },
+            matchmaking_s=matchmaking_s,
         )
         if outcome.members:
             slot = outcome.slot  # the group's slot: names the round the same for every member

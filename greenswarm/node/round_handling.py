@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -76,12 +76,29 @@ class RoundInFlight:
     tokens: int  # the tokens behind it (moved out of the site's unsynced tokens)
     partners: int  # the other sites in a window when it began (the group it expects)
     background: bool  # run on a thread of its own while the loop trains on
+    matchmaking_s: float | None = None  # how long it looks for its group (None: the configured time)
     future: Future[RoundResult] | None = None  # its result when in the background
     steps: int = 0  # inner steps taken since the snapshot
     # the group's step is on the global state already (applied on the round's thread as soon as the
     # group agreed); ``delta`` then holds the new global model minus the local snapshot: what the loop
     # adds to its parameters to keep the inner steps taken meanwhile
     applied: bool = False
+
+
+def overlapped_matchmaking_s(
+    configured_s: float, recent_steps_s: Sequence[float], sync_interval_s: float
+) -> float:
+    """How long an overlapped round looks for its group: ``configured_s`` (``averaging.matchmaking_s``),
+    or the longest of this site's recent inner steps if longer, but at most a quarter of the sync
+    interval (wall seconds; so a round that finds no group has failed well before the next boundary).
+
+    Why: a site begins a round when the inner step in progress at the boundary ends, so groupmates
+    whose steps take as long as this site's reach the round up to a step apart. With steps longer
+    than the matchmaking time (a ~100 M model on a CPU: 12-20 s against the default 5 s) they miss
+    each other and the round fails at both. A blocking round's wait would hold training; an
+    overlapped round waits on its own thread, so waiting a step longer costs no training time."""
+    longest = max(recent_steps_s, default=0.0)
+    return max(configured_s, min(longest, sync_interval_s / 4))
 
 
 def in_background(run: Callable[[], RoundResult]) -> Future[RoundResult]:
@@ -136,13 +153,21 @@ class RoundHandler:
 
     # ---- a federated round in two halves: begin (snapshot) and finish (act on the group's result)
 
-    def begin(self, slot: int, partners: Callable[[], int], background: bool = True) -> None:
+    def begin(
+        self,
+        slot: int,
+        partners: Callable[[], int],
+        background: bool = True,
+        matchmaking_s: float | None = None,
+    ) -> None:
         """Snapshot this site's pseudo-gradient and tokens for round ``slot`` and start averaging them;
-        in the ``background``, training goes on meanwhile (see :meth:`finish`)."""
+        in the ``background``, training goes on meanwhile (see :meth:`finish`). ``matchmaking_s``: how
+        long the round looks for its group (the configured time if None; see
+        :func:`overlapped_matchmaking_s`)."""
         assert self.in_flight is None, "a round is already in flight"
         delta = self.state.pseudo_gradient(self.ranks.gather())
         tokens, self.stats.tokens_since_sync = self.stats.tokens_since_sync, 0  # they go into this round
-        flight = RoundInFlight(slot, delta, tokens, partners(), background)
+        flight = RoundInFlight(slot, delta, tokens, partners(), background, matchmaking_s)
         if background:
             flight.future = in_background(functools.partial(self._run, flight))
         self.in_flight = flight
@@ -213,7 +238,9 @@ class RoundHandler:
         downloads it from this site, and would time out waiting for the loop's next look."""
         slot = flight.slot
         try:
-            result = self.federation.run(flight.delta, self.state, slot, flight.partners, flight.tokens)
+            result = self.federation.run(
+                flight.delta, self.state, slot, flight.partners, flight.tokens, flight.matchmaking_s
+            )
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)
             return Failed(slot, f"the round raised {type(e).__name__}: {e}", RoundOutcome(False))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.joining import SwarmParts, join_swarm
 from greenswarm.node.ranks import SiteRanks
-from greenswarm.node.round_handling import RoundEnd, RoundHandler
+from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
@@ -83,6 +84,8 @@ class SiteNode:
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
         self._slot = -1
         self._begin_s = 0.0  # how long beginning the round in flight held training up
+        self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
+        self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
 
     # ------------------------------------------------------------------ public
@@ -151,7 +154,9 @@ class SiteNode:
         return self.state
 
     def _train_step(self) -> None:
+        began = time.monotonic()
         self.stats.add_step(self.ranks.train())
+        self._step_s.append(time.monotonic() - began)
         self.round_handler.step_taken()
         if self.stats.first_step_s is None:
             self.stats.first_step_s = time.monotonic() - self.started
@@ -173,7 +178,7 @@ class SiteNode:
                 self.swarm.view.poll_now()
             self._catch_up(in_window_only=state is FEDERATED)
         if state is FEDERATED and self.cfg.averaging.overlap:
-            self.round_handler.begin(self._slot, self._partners)
+            self.round_handler.begin(self._slot, self._partners, matchmaking_s=self._matchmaking_s())
             self._begin_s = time.monotonic() - began
             return
         self._after_round(self.round_handler.end(state is FEDERATED, self._slot, self._partners), began)
@@ -200,6 +205,22 @@ class SiteNode:
         self.round_log.write(end.entry(self.global_state, self.cfg.name, time.monotonic() - began))
         if end.took_part:
             self.faults.round_done()
+
+    def _matchmaking_s(self) -> float:
+        """How long this overlapped round looks for its group: at least one of this site's recent
+        inner steps (groupmates reach the boundary up to a step apart; see
+        :func:`overlapped_matchmaking_s`), said once when that is longer than configured."""
+        averaging = self.cfg.averaging
+        interval_s = self.clock.wall_seconds(averaging.sync_interval_s)  # (a replayed trace runs faster)
+        seconds = overlapped_matchmaking_s(averaging.matchmaking_s, self._step_s, interval_s)
+        if seconds > averaging.matchmaking_s and not self._said_matchmaking:
+            self._said_matchmaking = True
+            self.log.info(
+                "inner steps take up to %.1f s, longer than averaging.matchmaking_s (%g s): overlapped "
+                "rounds look for their group for %.1f s (in the background)",
+                max(self._step_s), averaging.matchmaking_s, seconds,
+            )  # fmt: skip
+        return seconds
 
     def _partners(self) -> int:
         """How many other sites are in a window now (a round expects every one of them)."""
