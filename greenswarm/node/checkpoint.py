@@ -46,9 +46,10 @@ class Checkpointer:
         earlier checkpoint (``run_dir/best``) keeps its contents.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
+        content = {"format": FORMAT, "digest": content_digest(payload), **payload}  # (not a write error)
         try:
             with open(self.pending, "wb") as f:
-                torch.save({"format": FORMAT, "digest": content_digest(payload), **payload}, f)
+                torch.save(content, f)
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:  # torch reports a full disk as "unexpected pos" (RuntimeError)
