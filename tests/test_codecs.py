@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zstandard as zstd
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from greenswarm.averaging import codecs
 from greenswarm.averaging.codecs import (
     BLOCK,
     LEVELS,
@@ -76,6 +78,45 @@ def test_coding_is_deterministic_and_idempotent(x: torch.Tensor, name: str) -> N
     once = fmt.roundtrip(x)
     if name != "scaled-fp16":  # hivemind's scaled fp16 re-derives mean and std: not idempotent
         assert torch.equal(fmt.roundtrip(once), once)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bits (``torch.equal`` holds -0.0 and 0.0 equal; a digest does not)."""
+    return x.contiguous().view(torch.int32)
+
+
+def _reference_int8(x: torch.Tensor, levels: int) -> bytes:
+    """Scales and codes as the first version coded them, whole-vector (what older peers send)."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
+    padded[:n] = x
+    blocks = padded.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1).div_(float(levels))
+    inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
+    codes = (blocks * inverse[:, None]).round_().clamp_(-levels, levels).to(torch.int8)
+    return scales.numpy().tobytes() + codes.view(-1)[:n].numpy().tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=vectors(), name=st.sampled_from(sorted(WIRE_FORMATS)), chunk=st.sampled_from([1, 2, 1024]))
+def test_chunked_coding_and_the_direct_round_trip_match_the_bytes(
+    x: torch.Tensor, name: str, chunk: int
+) -> None:
+    """Coding works a chunk of blocks at a time, and error feedback's round trip skips the bytes: both
+    must be the same bits as the whole-vector coding peers of the first version send and decode."""
+    x[x.numel() // 2] = -0.0  # a negative zero codes to 0, and must decode to +0.0 both ways
+    fmt = wire_format(name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codecs, "CHUNK_BLOCKS", chunk)
+        message = fmt.compression.compress(x, CompressionInfo.from_tensor(x))
+        assert torch.equal(_bits(fmt.roundtrip(x)), _bits(deserialize_torch_tensor(message)))
+    if name in ("int8", "int7-zstd"):
+        levels = INT_FORMATS[name]
+        body = message.buffer[2:]
+        if name == "int7-zstd":
+            blocks = -(-x.numel() // BLOCK)
+            body = body[: 4 * blocks] + zstd.ZstdDecompressor().decompress(body[4 * blocks :])
+        assert body == _reference_int8(x, levels)
 
 
 @settings(max_examples=30, deadline=None)

@@ -48,7 +48,7 @@ from greenswarm.averaging.exact import ExactAllReduceRunner
 from greenswarm.averaging.outer import group_bits
 from greenswarm.averaging.poisoning import poison
 from greenswarm.averaging.round_report import RoundFailed, RoundOutcome, RoundReport
-from greenswarm.averaging.screening import screen_claims, update_norm, within_claims
+from greenswarm.averaging.screening import all_finite, screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
 from greenswarm.network import kill_if_daemon_gone
@@ -190,7 +190,7 @@ class SwarmAverager(DecentralizedAverager):
             return self._failed("no group formed before the deadline", started)
         with self.get_tensors() as (buffer,):
             averaged = buffer.clone()
-        if not torch.isfinite(averaged).all():
+        if not all_finite(averaged):
             return self._failed("averaged vector has NaN/Inf", started, report, round_index)
         gathered = report.gathered
         slot, admitted, refused = self._group_of(gathered, round_index)

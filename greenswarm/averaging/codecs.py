@@ -32,6 +32,8 @@ splits it into parts (:func:`prepare`).
 from __future__ import annotations
 
 import struct
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,7 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
+from greenswarm.averaging.screening import all_finite
 from greenswarm.hivemind_internals import register_codec
 
 #: values per int8 block: a power of two, so hivemind's parts (2**19 values at the 1-byte estimate
@@ -79,20 +82,85 @@ def _blocked(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return padded.view(-1, BLOCK)
 
 
-def _int8_encode(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (int8, in [-levels, levels]) and per-block scales (fp32) of a flat fp32 vector."""
+#: blocks coded per pass: ~1 M values (4 MB of fp32), so each pass's temporaries stay in the cache and
+#: a ~100 M-value vector is coded without model-sized temporaries (each costs page faults as well as a
+#: pass over memory: a round codes and decodes the vector several times, on cores that train)
+CHUNK_BLOCKS = 1024
+
+
+def _row_chunks(x: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``x`` (flat) as successive chunks of up to :data:`CHUNK_BLOCKS` rows of :data:`BLOCK` values,
+    each with its rows' slice: views of ``x``, except the last chunk when ``x`` ends in a partial block
+    (that one is a zero-padded copy, a chunk long at most -- not a padded copy of all of ``x``)."""
     n = x.numel()
-    blocks = _blocked(x, torch.float32)
-    scales = blocks.abs().amax(dim=1).div_(float(levels))
-    inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-    scaled = blocks * inverse[:, None]  # one pass; |scaled| <= levels up to rounding
-    codes = scaled.round_().clamp_(-levels, levels).to(torch.int8)
+    rows = -(-n // BLOCK)
+    for start in range(0, rows, CHUNK_BLOCKS):
+        stop = min(start + CHUNK_BLOCKS, rows)
+        if stop * BLOCK <= n:
+            yield slice(start, stop), x[start * BLOCK : stop * BLOCK].view(-1, BLOCK)
+        else:
+            yield slice(start, stop), _blocked(x[start * BLOCK :], x.dtype)
+
+
+def _int8_encode(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8, in [-levels, levels]) and per-block scales (fp32) of a flat fp32 vector.
+
+    Elementwise the same arithmetic in any chunking (absmax, one division, one reciprocal, one
+    multiplication, round, clamp), so the codes are the same bits however the vector is cut."""
+    n = x.numel()
+    rows = -(-n // BLOCK)
+    codes = torch.empty((rows, BLOCK), dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    for span, chunk in _row_chunks(x):
+        scale = _scales(chunk, levels)
+        codes[span] = _codes(chunk, scale, levels)
+        scales[span] = scale
     return codes.view(-1)[:n], scales
+
+
+def _scales(chunk: torch.Tensor, levels: int) -> torch.Tensor:
+    return chunk.abs().amax(dim=1).div_(float(levels))
+
+
+def _codes(chunk: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+    return (chunk * inverse[:, None]).round_().clamp_(-levels, levels).to(torch.int8)
 
 
 def _int8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n = codes.numel()
-    return (_blocked(codes, torch.int8).to(torch.float32) * scales[:, None]).view(-1)[:n]
+    out = torch.empty(scales.numel() * BLOCK, dtype=torch.float32)
+    rows = out.view(-1, BLOCK)
+    for span, chunk in _row_chunks(codes):
+        torch.mul(chunk.to(torch.float32), scales[span, None], out=rows[span])
+    return out[:n]
+
+
+def _int8_roundtrip(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """``_int8_decode(*_int8_encode(x, levels))`` in one pass, without keeping the codes (the same
+    bits: codes go through int8 and back, as decoding does, so a code of -0.0 is 0.0 here too).
+    Raises on NaN/Inf."""
+    n = x.numel()
+    out = torch.empty(-(-n // BLOCK) * BLOCK, dtype=torch.float32)
+    rows = out.view(-1, BLOCK)
+    for span, chunk in _row_chunks(x):
+        scale = _scales(chunk, levels)
+        if not torch.isfinite(scale).all():  # a block's absmax is NaN/Inf iff the block has one
+            raise WireFormatError("refusing to encode a vector with NaN/Inf")
+        torch.mul(_codes(chunk, scale, levels).to(torch.float32), scale[:, None], out=rows[span])
+    return out[:n]
+
+
+def _read_only(buffer: memoryview | bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``buffer``'s bytes without copying them (decoding only reads them; torch warns
+    about any buffer it cannot write to, and a received message's bytes are such a buffer)."""
+    if len(buffer) % torch.empty(0, dtype=dtype).element_size():
+        raise WireFormatError(f"a wire part's {len(buffer)} bytes are not whole {dtype} values")
+    if not len(buffer):
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype)
 
 
 def _zstd():
@@ -114,17 +182,17 @@ class GreenswarmCompression(CompressionBase):
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
         if self.tag == TAG_BF16:
-            if not torch.isfinite(x).all():
+            if not all_finite(x):
                 raise WireFormatError("refusing to encode a vector with NaN/Inf")
-            chunks = [_to_bf16_bits(x).numpy().tobytes()]
+            chunks = [_to_bf16_bits(x).numpy()]
         else:
             codes, scales = _int8_encode(x, LEVELS[self.tag])
             if not torch.isfinite(scales).all():  # a block's absmax is NaN/Inf iff the block has one
                 raise WireFormatError("refusing to encode a vector with NaN/Inf")
-            code_bytes = codes.numpy().tobytes()
+            code_bytes = codes.numpy()  # (joined or entropy-coded straight from the tensor's memory)
             if self.tag in ENTROPY_CODED:
                 code_bytes = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(code_bytes)
-            chunks = [scales.numpy().tobytes(), code_bytes]
+            chunks = [scales.numpy(), code_bytes]
         return runtime_pb2.Tensor(
             compression=SLOT,
             buffer=b"".join([_HEADER.pack(self.tag, VERSION), *chunks]),
@@ -148,23 +216,39 @@ class GreenswarmCompression(CompressionBase):
             n *= d
         body = memoryview(buf)[_HEADER.size :]
         if tag == TAG_BF16:
-            out = torch.frombuffer(bytearray(body), dtype=torch.int16).view(torch.bfloat16).float()
+            out = _read_only(body, torch.int16).view(torch.bfloat16).float()
         else:
             blocks = -(-n // BLOCK)
-            scales = torch.frombuffer(bytearray(body[: 4 * blocks]), dtype=torch.float32)
-            code_bytes = bytes(body[4 * blocks :])
+            if len(body) < 4 * blocks:
+                raise WireFormatError(f"int8 part carries {len(body)} bytes, too few for {blocks} scales")
+            scales = torch.frombuffer(bytearray(body[: 4 * blocks]), dtype=torch.float32)  # (aligned copy)
+            code_bytes = body[4 * blocks :]
             if tag in ENTROPY_CODED:
                 try:
                     code_bytes = _zstd().ZstdDecompressor().decompress(code_bytes, max_output_size=n)
                 except _zstd().ZstdError as e:
                     raise WireFormatError(f"damaged entropy-coded codes: {e}") from None
-            codes = torch.frombuffer(bytearray(code_bytes), dtype=torch.int8)
+            codes = _read_only(code_bytes, torch.int8)
             if codes.numel() != n:
                 raise WireFormatError(f"int8 part carries {codes.numel()} codes, its header says {n}")
             out = _int8_decode(codes, scales)
         if out.numel() != n:
             raise WireFormatError(f"wire part decodes to {out.numel()} values, its header says {n}")
         return out.reshape(shape)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``extract(compress(x))`` without the bytes (the same bits): error feedback codes a whole
+        model-sized vector each round, and the entropy stage is lossless, so only the codes matter."""
+        flat = x.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.to(torch.float32)
+        if self.tag == TAG_BF16:
+            if not all_finite(flat):
+                raise WireFormatError("refusing to encode a vector with NaN/Inf")
+            out = flat.to(torch.bfloat16).float()
+        else:
+            out = _int8_roundtrip(flat, LEVELS[self.tag])
+        return out.reshape(x.shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # exact powers of two: hivemind sizes parts as part_size_bytes / (4 * ratio) values, and that
@@ -232,6 +316,8 @@ class WireFormat:
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """What a peer decodes from this vector (flat fp32)."""
+        if isinstance(self.compression, GreenswarmCompression):
+            return self.compression.roundtrip(x)
         return deserialize_torch_tensor(self.compression.compress(x, CompressionInfo.from_tensor(x)))
 
     def encoded_bytes(self, x: torch.Tensor) -> int:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from greenswarm.averaging.screening import all_finite
+
 
 def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate tensors into one flat fp32 CPU vector (into ``out`` when given)."""
@@ -64,7 +66,7 @@ class OuterOptimizer:
 
     def step(self, averaged: torch.Tensor) -> None:
         """Apply one outer step with an averaged pseudo-gradient (same arithmetic on every site)."""
-        if not torch.isfinite(averaged).all():
+        if not all_finite(averaged):
             raise FloatingPointError("averaged pseudo-gradient has NaN/Inf; refusing to apply it")
         if self.momentum:
             self.momentum_buffer.mul_(self.momentum).add_(averaged)

@@ -33,6 +33,16 @@ import torch
 CLAIM_TOLERANCE = 0.05
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite, from its smallest and largest value (one reduction, no
+    mask as large as ``x``): NaN makes both NaN, +Inf the largest, -Inf the smallest. ``isfinite(x).all()``
+    says the same, ~20x slower at ~100 M values, and a round checks model-sized vectors several times."""
+    if not x.is_floating_point() or not x.numel():
+        return True
+    low, high = torch.aminmax(x.detach())
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
 def screen_claims(claims: dict[str, Any], max_norm_ratio: float) -> dict[str, str]:
     """``peer -> why its update is refused`` for one group, from the members' gathered metadata
     (each a dict with ``norm``); the same on every member because the gathered data is."""
@@ -79,7 +89,7 @@ def _lower_median(values: list[float]) -> float:
 
 def screen_part(part: torch.Tensor, claimed_norm: float | None) -> str | None:
     """Why a received part of a sender's update is refused, or None to accumulate it."""
-    if not bool(torch.isfinite(part).all()):
+    if not all_finite(part):
         return "a part of its update has NaN/Inf values"
     if claimed_norm is not None:
         norm = float(torch.linalg.vector_norm(part.float()))
