@@ -168,7 +168,12 @@ def _parser() -> argparse.ArgumentParser:
         "a percentile of the region's own trace. Prints each window (UTC), the share of the trace in "
         "window and the mean intensity in and out of windows; optionally plots them to a PNG.",
     )
-    win.add_argument("--trace", required=True, metavar="CSV", help="trace file, or builtin / builtin:<name>")
+    win.add_argument(
+        "--trace",
+        required=True,
+        metavar="CSV",
+        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), or builtin / builtin:<name>",
+    )
     win.add_argument("--region", required=True, help="the region (column or zone id) to examine")
     rule = win.add_mutually_exclusive_group()
     rule.add_argument(
@@ -207,7 +212,12 @@ def _parser() -> argparse.ArgumentParser:
         "--policy curtail-llm --work 17.78 --compare greenswarm,ideal --plot emissions.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim.add_argument("--trace", required=True, metavar="CSV", help="trace file, or builtin / builtin:<name>")
+    sim.add_argument(
+        "--trace",
+        required=True,
+        metavar="CSV",
+        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), or builtin / builtin:<name>",
+    )
     sim.add_argument("--regions", required=True, help="comma-separated regions, one site each")
     sim.add_argument(
         "--policy",

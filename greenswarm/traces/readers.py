@@ -19,6 +19,9 @@ Header names match case-insensitively. A time column whose header says UTC (``Da
 plain number is an offset in seconds from the ``start`` option (Vessim-style relative traces;
 ``start=0`` reads unix seconds).
 
+A file may be gzip'ed, xz'ed or bzip2'ed (``mci.csv.gz``): it is recognised from its first bytes
+and read as it is decompressed (:mod:`greenswarm.traces.compressed`).
+
 Every error names the file and line, because a user staring at a 9000-row export needs to know
 exactly where the bad cell is.
 """
@@ -40,6 +43,7 @@ import numpy as np
 from greenswarm.errors import TraceError
 from greenswarm.timefmt import NaiveTimeError, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES, DEFAULT_BUILTIN
+from greenswarm.traces.compressed import DECOMPRESSION_ERRORS, open_text
 from greenswarm.traces.trace import Trace, median_resolution
 
 if TYPE_CHECKING:
@@ -267,12 +271,7 @@ def read_csv_trace(
     factor, variant = _check_options(name, units, variant)
     zone = _zone(tz) if tz is not None else None
     start_s = _parse_start(start, zone, name)
-    try:
-        handle = open(path, newline="", encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise TraceError(f"{name}: no such trace file") from None
-    except OSError as err:
-        raise TraceError(f"{name}: cannot read trace file ({err.strerror or err})") from None
+    handle, compression = open_text(Path(path), name)
     series: dict[str, _Series] = {}
     with handle:
         rows = csv.reader(handle)
@@ -290,6 +289,11 @@ def read_csv_trace(
             raise TraceError(f"{name}:{rows.line_num}: malformed CSV ({err})") from None
         except UnicodeDecodeError:
             raise TraceError(f"{name}: not a UTF-8 text file") from None
+        except DECOMPRESSION_ERRORS as err:
+            if compression is None:
+                raise
+            where = f"{name}:{rows.line_num}" if rows.line_num else name  # (0: in the first block)
+            raise TraceError(f"{where}: damaged {compression} data ({err})") from None
     if not series or not next(iter(series.values())).times:
         raise TraceError(f"{name}:{rows.line_num}: no data rows after the header")
     regions = list(series)
