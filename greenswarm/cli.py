@@ -172,7 +172,9 @@ def _parser() -> argparse.ArgumentParser:
         "--trace",
         required=True,
         metavar="CSV",
-        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), or builtin / builtin:<name>",
+        action="append",
+        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
+        "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
     )
     win.add_argument("--region", required=True, help="the region (column or zone id) to examine")
     rule = win.add_mutually_exclusive_group()
@@ -216,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
         "--trace",
         required=True,
         metavar="CSV",
-        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), or builtin / builtin:<name>",
+        action="append",
+        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
+        "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
     )
     sim.add_argument("--regions", required=True, help="comma-separated regions, one site each")
     sim.add_argument(
@@ -349,6 +353,11 @@ def _add_trace_options(parser: argparse.ArgumentParser, interpolate: str = "hold
     )
 
 
+def _trace_arg(args: argparse.Namespace) -> str | list[str]:
+    """``--trace`` as given: one spec, or the several files (one per zone) to merge."""
+    return args.trace[0] if len(args.trace) == 1 else list(args.trace)
+
+
 def _trace_options(args: argparse.Namespace) -> dict:
     return {
         "tz": args.tz,
@@ -429,7 +438,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.scheduler.windows_report import run_windows
 
         return run_windows(
-            args.trace,
+            _trace_arg(args),
             args.region,
             threshold=args.threshold,
             percentile=args.percentile,
@@ -447,7 +456,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.simulation.report import run_simulate
 
         return run_simulate(
-            args.trace,
+            _trace_arg(args),
             args.regions,
             policy=args.policy,
             overrides=args.overrides,

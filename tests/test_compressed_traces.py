@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from greenswarm.errors import TraceError
-from greenswarm.traces import load_trace
+from greenswarm.traces import load_trace, read_csv_trace
 from tests._shared import shared_path
 
 COMPRESSORS: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
@@ -113,9 +113,10 @@ def test_damaged_compressed_data_is_one_line_naming_the_file(tmp_path: Path, kin
     # the checksum, as the whole file is read before the trace is used)
 
 
-def test_a_directory_is_not_a_trace(tmp_path: Path) -> None:
+def test_a_directory_is_not_a_trace_file(tmp_path: Path) -> None:
+    """(load_trace reads a directory as the traces in it: tests/test_merged_traces.py)"""
     with pytest.raises(TraceError, match="is a directory, not a trace file"):
-        load_trace(str(tmp_path))
+        read_csv_trace(tmp_path)
 
 
 @pytest.mark.shared

@@ -117,7 +117,8 @@ class ClockConfig:
 class TraceSource:
     """Where a site's intensity comes from and how the trace file is read.
 
-    ``trace`` is ``builtin``, ``builtin:<name>`` or a file path; ``timezone`` (IANA) applies to naive
+    ``trace`` is ``builtin``, ``builtin:<name>``, a file path (plain or gzip/xz/bzip2-compressed CSV)
+    or a directory of one-zone exports, merged into one trace; ``timezone`` (IANA) applies to naive
     timestamps in the file. The reader's options: ``units`` of the file's values (g/kWh, kg/kWh,
     lbs/MWh), ``variant`` of an Electricity Maps export (direct or lca), ``start`` (unix seconds or
     ISO instant) that plain-number time cells count from in offset-seconds traces (Vessim-style; not

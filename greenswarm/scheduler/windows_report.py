@@ -9,6 +9,7 @@ dict (what ``--json`` prints), :func:`print_windows` as a table, :func:`plot_win
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Pa
 
 
 def run_windows(
-    trace: str,
+    trace: str | Sequence[str],
     region: str,
     *,
     threshold: float | None = None,

@@ -9,6 +9,7 @@ each site's windows, nothing outside), and perfect foresight (the cleanest site-
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -369,7 +370,7 @@ def _regions(text: str) -> list[str]:
 
 
 def run_simulate(
-    trace: str,
+    trace: str | Sequence[str],
     regions: str,
     *,
     policy: str = "greenswarm",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, tzinfo
 from pathlib import Path
@@ -44,6 +44,7 @@ from greenswarm.errors import TraceError
 from greenswarm.timefmt import NaiveTimeError, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES, DEFAULT_BUILTIN
 from greenswarm.traces.compressed import DECOMPRESSION_ERRORS, open_text
+from greenswarm.traces.merge import merge_traces, trace_files
 from greenswarm.traces.trace import Trace, median_resolution
 
 if TYPE_CHECKING:
@@ -407,7 +408,7 @@ def _load_builtin(spec: str) -> Trace:
 
 
 def load_trace(
-    spec: str,
+    spec: str | Sequence[str],
     tz: str | None = None,
     *,
     units: str = "g/kWh",
@@ -421,17 +422,32 @@ def load_trace(
 
     ``builtin`` or ``builtin:<name>`` is the offline model (no files needed, so the demo always
     runs); anything else is a path, read with the options of :func:`read_csv_trace` (``tz``
-    applies to naive timestamps in files).
+    applies to naive timestamps in files). Several specs, or a directory (its CSV files, plain or
+    compressed), are read alike and merged into one multi-region trace
+    (:func:`~greenswarm.traces.merge.merge_traces`: their common span, the finest resolution).
 
     ``interpolate`` says how intensity between samples is read. ``hold`` (the default) keeps the
     published step function: what a live controller sees, since it only knows the latest value.
     ``linear`` interpolates onto a ``grid_s`` grid (:meth:`Trace.resampled`), the convention of
     the curtail-llm anchor (60 s), for replays that should match its accounting.
     """
-    method = _check_interpolation(spec, interpolate, grid_s)
-    if spec == "builtin" or spec.startswith("builtin:"):
-        trace = _load_builtin(spec)
-    else:
-        path = Path(spec).expanduser()
-        trace = _reader_for(path)(path, tz=tz, units=units, variant=variant, start=start, max_gap_s=max_gap_s)
-    return trace if method == "hold" else trace.resampled(float(grid_s), method)
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise TraceError("no trace given")
+    method = _check_interpolation(", ".join(specs), interpolate, grid_s)
+    sources: list[str | Path] = []
+    for one in specs:
+        path = Path(one).expanduser()
+        builtin = one == "builtin" or one.startswith("builtin:")
+        sources.extend(trace_files(path) if not builtin and path.is_dir() else [one])
+    traces = []
+    for source in sources:
+        name = str(source)
+        if name == "builtin" or name.startswith("builtin:"):
+            trace = _load_builtin(name)
+        else:
+            path = Path(source).expanduser()
+            reader = _reader_for(path)
+            trace = reader(path, tz=tz, units=units, variant=variant, start=start, max_gap_s=max_gap_s)
+        traces.append(trace if method == "hold" else trace.resampled(float(grid_s), method))
+    return merge_traces(traces)
