@@ -2,13 +2,15 @@
 
 Look-ahead window policies and the deadline-aware simulator ask the same question -- "what will the
 intensity of this region be at these future instants, given what is known now?" -- so they share one
-:class:`Forecaster` interface. Three answers ship, from no knowledge to full knowledge:
+:class:`Forecaster` interface. Its answers, from no knowledge to full knowledge:
 
 * :class:`PersistenceForecaster`: the value now holds forever. Uses nothing but the present; the
   honest floor every forecast must beat.
 * :class:`SeasonalForecaster`: persistence fading into "the same time yesterday" (seasonal naive)
   with a time constant of a few hours. Grid intensity is strongly diurnal (solar), so yesterday is a
   good guess for tomorrow's afternoon; uses only the trace up to now.
+* :class:`FileForecaster`: forecasts as they were issued, read from a file (``file:PATH``), each
+  used only from its issue time on.
 * :class:`OracleForecaster`: the trace itself. Not available to a live site; it is the upper bound
   that says how much a perfect forecast would be worth.
 """
@@ -20,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from greenswarm.traces.forecast_file import IssuedForecasts
 from greenswarm.traces.trace import Trace
 
 DAY_S = 86400.0
@@ -123,6 +126,25 @@ class NoisyForecaster:
         sigma = self.sigma_day * np.sqrt(np.maximum(times - now, 0.0) / DAY_S)
         noise = np.exp(sigma * self.rng.standard_normal(times.shape) - sigma**2 / 2)
         return values_at(trace, region, times) * noise
+
+
+class FileForecaster:
+    """Forecasts as they were issued (:mod:`greenswarm.traces.forecast_file`): at ``now``, the latest
+    forecast issued at or before ``now``, read as a step function (before its first instant its first
+    value, after its last its last value holds). Before any forecast was issued only the present is
+    known: persistence. Never a forecast issued after ``now``."""
+
+    def __init__(self, forecasts: IssuedForecasts):
+        self.forecasts = forecasts
+        self.name = f"file:{forecasts.source}"
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        times = np.asarray(times, dtype=np.float64)
+        issue = self.forecasts.latest(region, now)
+        if issue is None:
+            return PersistenceForecaster().predict(trace, region, now, times)
+        idx = np.searchsorted(issue.times, times, side="right") - 1
+        return issue.values[np.clip(idx, 0, len(issue.times) - 1)]
 
 
 FORECASTERS: dict[str, type] = {

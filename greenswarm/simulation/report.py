@@ -18,7 +18,7 @@ import numpy as np
 from greenswarm.console import pyplot, save_figure, wide_console
 from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
 from greenswarm.scheduler.energy import baseline_emissions_g
-from greenswarm.scheduler.forecast import Forecaster, NoisyForecaster, make_forecaster
+from greenswarm.scheduler.forecast import FileForecaster, Forecaster, NoisyForecaster, make_forecaster
 from greenswarm.simulation.deadline import deadline_runs, foresight_runs
 from greenswarm.simulation.engine import (
     SiteRun,
@@ -96,7 +96,7 @@ def simulate(
     work_h: float | None = None,
     start: float | None = None,
     deadline_h: float | None = None,
-    forecast: str = "noisy",
+    forecast: str | Forecaster = "noisy",
     forecast_error: float = 0.3,
     forecast_seed: int = 0,
     margin: float = 0.0,
@@ -132,9 +132,12 @@ def simulate(
     train_kw = ANCHOR_TRAIN_KW if train_kw is None else train_kw
     work_s = None if work_h is None else work_h * 3600.0
 
-    forecaster = (
-        NoisyForecaster(forecast_error, forecast_seed) if forecast == "noisy" else make_forecaster(forecast)
-    )
+    if not isinstance(forecast, str):
+        forecaster = forecast
+    elif forecast == "noisy":
+        forecaster = NoisyForecaster(forecast_error, forecast_seed)
+    else:
+        forecaster = make_forecaster(forecast)
     runs = _runs_for(policy, trace, regions, start, deadline, work_s, train_kw, forecaster, margin, threshold)
     end, done = _finish(runs, work_s, start, deadline if isinstance(policy, str) else trace.end)
     totals = account(runs, trace, threshold)
@@ -207,7 +210,7 @@ def simulate(
         ],
     }
     if isinstance(policy, str) and policy == "deadline":
-        report["forecast"] = forecast
+        report["forecast"] = forecast if isinstance(forecast, str) else forecast.name
         if forecast == "noisy":
             report["forecast_error"] = forecast_error
         report["deadline"] = iso_utc(deadline)
@@ -232,10 +235,12 @@ def simulate(
     return Simulation(report, runs, yardsticks, trace, start, end)
 
 
-def _forecast_text(name: str, error: float) -> str:
-    if name == "noisy":
+def _forecast_text(forecast: str | Forecaster, error: float) -> str:
+    if forecast == "noisy":
         return f"noisy forecast (truth x log-normal error, sigma {error:g} a day ahead)"
-    return f"{name} forecast"
+    if isinstance(forecast, FileForecaster):
+        return f"forecasts issued in {forecast.forecasts.source} (each only from its issue time)"
+    return f"{forecast if isinstance(forecast, str) else forecast.name} forecast"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -390,9 +395,10 @@ def run_simulate(
     object) and optionally plot. Every bad input becomes one line naming the flag at fault."""
     import json
 
-    from greenswarm.errors import ConfigError
-    from greenswarm.scheduler.forecast import FORECASTERS
+    from greenswarm.errors import ConfigError, TraceError
+    from greenswarm.scheduler.forecast import FORECASTERS, FileForecaster
     from greenswarm.simulation.policies import load_policy
+    from greenswarm.traces.forecast_file import read_forecast_file
     from greenswarm.traces.readers import load_trace
 
     names = _regions(regions)
@@ -401,9 +407,17 @@ def run_simulate(
             raise ConfigError(f"must be a number > 0, got {value:g}", where=flag)
     if not (math.isfinite(forecast_error) and forecast_error >= 0):
         raise ConfigError(f"must be a number >= 0, got {forecast_error:g}", where="--forecast-error")
-    if forecast not in FORECASTERS:
+    planner: str | Forecaster = forecast
+    if forecast.startswith("file:"):
+        options = trace_options or {}
+        try:
+            issued = read_forecast_file(forecast[5:], options.get("tz"), units=options.get("units", "g/kWh"))
+        except TraceError as err:
+            raise ConfigError(str(err), where="--forecast") from None
+        planner = FileForecaster(issued)
+    elif forecast not in FORECASTERS:
         raise ConfigError(
-            f"unknown forecast {forecast!r}; known: {', '.join(FORECASTERS)}", where="--forecast"
+            f"unknown forecast {forecast!r}; known: {', '.join(FORECASTERS)}, file:PATH", where="--forecast"
         )
     chosen: str | PolicyConfig = policy if policy in DEADLINE_POLICIES else load_policy(policy, overrides)
     if policy in DEADLINE_POLICIES and work is None:
@@ -427,7 +441,7 @@ def run_simulate(
             work_h=work,
             start=begin,
             deadline_h=deadline,
-            forecast=forecast,
+            forecast=planner,
             forecast_error=forecast_error,
             threshold=threshold,
             compare=others,

@@ -37,17 +37,18 @@ def compression_of(path: Path) -> str | None:
     return next((kind for kind, magic in MAGIC.items() if head.startswith(magic)), None)
 
 
-def open_text(path: Path, name: str) -> tuple[TextIO, str | None]:
+def open_text(path: Path, name: str, what: str = "trace file") -> tuple[TextIO, str | None]:
     """``path`` opened as UTF-8 text (a byte-order mark skipped, newlines as csv wants them),
-    decompressed on the fly; and its compression (None: plain). ``name`` is how errors name it."""
+    decompressed on the fly; and its compression (None: plain). ``name`` is how errors name it,
+    ``what`` what it should be."""
     try:
         kind = compression_of(path)
     except FileNotFoundError:
-        raise TraceError(f"{name}: no such trace file") from None
+        raise TraceError(f"{name}: no such {what}") from None
     except IsADirectoryError:
-        raise TraceError(f"{name}: is a directory, not a trace file") from None
+        raise TraceError(f"{name}: is a directory, not a {what}") from None
     except OSError as err:
-        raise TraceError(f"{name}: cannot read trace file ({err.strerror or err})") from None
+        raise TraceError(f"{name}: cannot read {what} ({err.strerror or err})") from None
     promised = SUFFIXES.get(path.suffix.lower())
     if promised is not None and kind != promised:
         found = f"{kind}-compressed" if kind else "not compressed"
