@@ -168,14 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         "a percentile of the region's own trace. Prints each window (UTC), the share of the trace in "
         "window and the mean intensity in and out of windows; optionally plots them to a PNG.",
     )
-    win.add_argument(
-        "--trace",
-        required=True,
-        metavar="CSV",
-        action="append",
-        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
-        "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
-    )
+    _add_trace_argument(win)
     win.add_argument("--region", required=True, help="the region (column or zone id) to examine")
     rule = win.add_mutually_exclusive_group()
     rule.add_argument(
@@ -214,14 +207,7 @@ def _parser() -> argparse.ArgumentParser:
         "--policy curtail-llm --work 17.78 --compare greenswarm,ideal --plot emissions.png",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sim.add_argument(
-        "--trace",
-        required=True,
-        metavar="CSV",
-        action="append",
-        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
-        "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
-    )
+    _add_trace_argument(sim)
     sim.add_argument("--regions", required=True, help="comma-separated regions, one site each")
     sim.add_argument(
         "--policy",
@@ -352,6 +338,18 @@ def _add_trace_options(parser: argparse.ArgumentParser, interpolate: str = "hold
     )
     parser.add_argument(
         "--grid", type=float, default=60.0, metavar="SECONDS", help="grid step for --interpolate linear (60)"
+    )
+
+
+def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """``--trace``, repeatable, as ``windows`` and ``simulate`` take it (see :func:`_trace_arg`)."""
+    parser.add_argument(
+        "--trace",
+        required=True,
+        metavar="CSV",
+        action="append",
+        help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
+        "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
     )
 
 

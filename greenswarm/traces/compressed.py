@@ -10,10 +10,13 @@ error saying so, instead of a confusing complaint about the CSV inside.
 from __future__ import annotations
 
 import bz2
+import csv
 import gzip
 import io
 import lzma
 import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -57,3 +60,20 @@ def open_text(path: Path, name: str, what: str = "trace file") -> tuple[TextIO, 
         return open(path, newline="", encoding="utf-8-sig"), None
     binary = _OPENERS[kind](path, "rb")
     return io.TextIOWrapper(binary, encoding="utf-8-sig", newline=""), kind
+
+
+@contextmanager
+def reading_errors(name: str, compression: str | None, line: Callable[[], int]) -> Iterator[None]:
+    """What reading a (compressed) CSV can raise, as one :class:`TraceError` naming the file and the
+    line (``line()``: the reader's line number; 0 while the first compressed block is decoded)."""
+    try:
+        yield
+    except csv.Error as err:
+        raise TraceError(f"{name}:{line()}: malformed CSV ({err})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{name}: not a UTF-8 text file") from None
+    except DECOMPRESSION_ERRORS as err:
+        if compression is None:
+            raise
+        where = f"{name}:{line()}" if line() else name
+        raise TraceError(f"{where}: damaged {compression} data ({err})") from None

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from greenswarm.errors import TraceError
-from greenswarm.traces.compressed import DECOMPRESSION_ERRORS, open_text
+from greenswarm.traces.compressed import open_text, reading_errors
 from greenswarm.traces.readers import REGION_COLUMNS, UNITS, VALUE_COLUMNS, _zone, parse_timestamp
 
 #: header names (lower case) of the issue-time and forecast-instant columns
@@ -83,7 +83,7 @@ def read_forecast_file(path: str | Path, tz: str | None = None, *, units: str = 
     rows: dict[str, dict[float, list[tuple[float, float, int]]]] = {}
     with handle:
         reader = csv.reader(handle)
-        try:
+        with reading_errors(name, compression, lambda: reader.line_num):
             header = next(reader, None)
             if header is None:
                 raise TraceError(f"{name}: empty forecast file")
@@ -112,14 +112,6 @@ def read_forecast_file(path: str | Path, tz: str | None = None, *, units: str = 
                     raise TraceError(f"{where}: value {row[value].strip()} must be a finite number >= 0")
                 key = row[region].strip() if region is not None else ANY_REGION
                 rows.setdefault(key, {}).setdefault(generated, []).append((at, number, reader.line_num))
-        except csv.Error as err:
-            raise TraceError(f"{name}:{reader.line_num}: malformed CSV ({err})") from None
-        except UnicodeDecodeError:
-            raise TraceError(f"{name}: not a UTF-8 text file") from None
-        except DECOMPRESSION_ERRORS as err:
-            if compression is None:
-                raise
-            raise TraceError(f"{name}:{reader.line_num}: damaged {compression} data ({err})") from None
     if not rows:
         raise TraceError(f"{name}: no forecast rows after the header")
     forecasts = IssuedForecasts(name)

@@ -43,7 +43,7 @@ import numpy as np
 from greenswarm.errors import TraceError
 from greenswarm.timefmt import NaiveTimeError, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES, DEFAULT_BUILTIN
-from greenswarm.traces.compressed import DECOMPRESSION_ERRORS, open_text
+from greenswarm.traces.compressed import open_text, reading_errors
 from greenswarm.traces.merge import merge_traces, trace_files
 from greenswarm.traces.trace import Trace, median_resolution
 
@@ -276,7 +276,7 @@ def read_csv_trace(
     series: dict[str, _Series] = {}
     with handle:
         rows = csv.reader(handle)
-        try:
+        with reading_errors(name, compression, lambda: rows.line_num):
             header = _read_header(rows, name)
             layout = _sniff(header, f"{name}:{rows.line_num}", variant)
             row_zone = UTC if layout.utc else zone
@@ -286,15 +286,6 @@ def read_csv_trace(
                 if not any(cell.strip() for cell in row):
                     continue
                 _read_row(row, layout, series, row_zone, start_s, factor, name, rows.line_num)
-        except csv.Error as err:
-            raise TraceError(f"{name}:{rows.line_num}: malformed CSV ({err})") from None
-        except UnicodeDecodeError:
-            raise TraceError(f"{name}: not a UTF-8 text file") from None
-        except DECOMPRESSION_ERRORS as err:
-            if compression is None:
-                raise
-            where = f"{name}:{rows.line_num}" if rows.line_num else name  # (0: in the first block)
-            raise TraceError(f"{where}: damaged {compression} data ({err})") from None
     if not series or not next(iter(series.values())).times:
         raise TraceError(f"{name}:{rows.line_num}: no data rows after the header")
     regions = list(series)
