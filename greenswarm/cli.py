@@ -236,7 +236,8 @@ def _parser() -> argparse.ArgumentParser:
         default="noisy",
         help="deadline policy's forecast: noisy (true trace x log-normal error, 30%% a day ahead; default), "
         "oracle, seasonal, persistence, climatology, or file:PATH (forecasts as they were issued: "
-        "generated_at,point_time[,region],value, each used only from its issue time; read with --tz and "
+        "generated_at,point_time[,region],value or time,value,f1..fN, each used only from its issue time; "
+        "read with --tz and "
         "--units, plain or compressed)",
     )
     sim.add_argument(

@@ -173,3 +173,39 @@ def test_simulate_plans_with_a_forecast_file_built_from_a_real_trace(tmp_path: P
     report = json.loads(result.stdout)
     assert report["forecast"] == f"file:{out}"
     assert report["work_site_hours"] == pytest.approx(17.78, rel=1e-6)
+
+
+def test_a_wide_file_reads_as_the_same_forecasts_in_the_long_shape(tmp_path: Path) -> None:
+    """``time, value, f1..fN``: row g forecasts g + k steps (the file's own resolution) as fk."""
+    wide = ["time,value,f1,f2,f3"]
+    long = ["generated_at,point_time,value"]
+    for g in range(6):
+        forecasts = [100 + 10 * g + k for k in (1, 2, 3)]
+        cells = [str(v) if g + k < 6 else "" for k, v in zip((1, 2, 3), forecasts, strict=True)]
+        wide.append(",".join([iso(g), str(50 + g), *cells]))  # (past the end: blank cells)
+        long += [f"{iso(g)},{iso(g + k)},{v}" for k, v in zip((1, 2, 3), forecasts, strict=True) if g + k < 6]
+    (tmp_path / "wide.csv").write_text("\n".join(wide) + "\n")
+    (tmp_path / "long.csv").write_text("\n".join(long) + "\n")
+    a, b = read_forecast_file(tmp_path / "wide.csv"), read_forecast_file(tmp_path / "long.csv")
+    for g in range(5):
+        ia, ib = a.latest("X", at(g)), b.latest("X", at(g))
+        assert ia.generated_at == ib.generated_at == at(g)
+        assert ia.times.tolist() == ib.times.tolist() and ia.values.tolist() == ib.values.tolist()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (f"time,value,f1\n{iso(0)},1,2\n", "needs two issue times to know its step"),
+        (f"time,value,f1\n{iso(0)},1,x\n{iso(1)},1,2\n", ":2: value 'x' is not a number"),
+        (
+            f"time,value,f1\n{iso(0)},1,2\n{iso(0)},1,3\n{iso(1)},1,3\n",
+            ":3: a second value for the same instant",
+        ),
+    ],
+)
+def test_bad_wide_forecast_files_are_named(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "wide.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=match):
+        read_forecast_file(path)
