@@ -163,6 +163,18 @@ def _read_only(buffer: memoryview | bytes, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=dtype)
 
 
+def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one flat fp32 vector (itself when it is one already)."""
+    x = tensor.detach().reshape(-1)
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
+
+
+def _refuse_non_finite(x: torch.Tensor) -> None:
+    """The bf16 format carries NaN/Inf as they are, so it refuses them before coding."""
+    if not all_finite(x):
+        raise WireFormatError("refusing to encode a vector with NaN/Inf")
+
+
 def _zstd():
     import zstandard
 
@@ -178,12 +190,9 @@ class GreenswarmCompression(CompressionBase):
         self.tag = tag
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        x = tensor.detach().reshape(-1)
-        if x.dtype != torch.float32:
-            x = x.to(torch.float32)
+        x = _flat_fp32(tensor)
         if self.tag == TAG_BF16:
-            if not all_finite(x):
-                raise WireFormatError("refusing to encode a vector with NaN/Inf")
+            _refuse_non_finite(x)
             chunks = [_to_bf16_bits(x).numpy()]
         else:
             codes, scales = _int8_encode(x, LEVELS[self.tag])
@@ -239,12 +248,9 @@ class GreenswarmCompression(CompressionBase):
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``extract(compress(x))`` without the bytes (the same bits): error feedback codes a whole
         model-sized vector each round, and the entropy stage is lossless, so only the codes matter."""
-        flat = x.detach().reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.to(torch.float32)
+        flat = _flat_fp32(x)
         if self.tag == TAG_BF16:
-            if not all_finite(flat):
-                raise WireFormatError("refusing to encode a vector with NaN/Inf")
+            _refuse_non_finite(flat)
             out = flat.to(torch.bfloat16).float()
         else:
             out = _int8_roundtrip(flat, LEVELS[self.tag])
