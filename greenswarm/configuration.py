@@ -77,15 +77,17 @@ def _convert(value: Any, annotation: Any, field: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, field)
             except ConfigError as e:
-                errors.append(e.message)
-        raise ConfigError(errors[0] if len(errors) == 1 else " or ".join(errors), field=field)
+                errors.append(e)
+        if len(errors) == 1:  # an optional section: its own error, naming the field inside it
+            raise errors[0]
+        raise ConfigError(" or ".join(e.message for e in errors), field=field)
     if origin is typing.Literal:
         if value in args:
             return value

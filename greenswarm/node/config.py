@@ -21,6 +21,7 @@ from greenswarm.node.data import DataConfig
 from greenswarm.node.evaluation import EvalConfig
 from greenswarm.node.model import ModelConfig
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
+from greenswarm.timefmt import parse_instant
 from greenswarm.traces import Trace, load_trace
 
 _SITE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -104,6 +105,7 @@ class NodeConfig:
     rejoin_s: float = 10.0  # how often to check that an initial peer is connected, and re-dial if not
     idle_wall_s: float = 0.5  # longest single wall sleep while IDLE (keeps signals and records responsive)
     stop_at_trace_end: bool = True
+    stop_at: str | None = None  # an ISO instant of clock time at which the node stops (e.g. a deadline)
     restart: Restart = "on-crash"
     max_restarts: int = 5  # more crashes than this within restart_window_s end the node (status 1)
     restart_window_s: float = 600.0
@@ -117,6 +119,11 @@ class NodeConfig:
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")
+        if self.stop_at is not None:
+            try:
+                parse_instant(self.stop_at)
+            except ConfigError as err:
+                raise err.located("stop_at") from None
         if self.max_restarts < 0:
             raise ConfigError(f"must be >= 0, got {self.max_restarts}", field="max_restarts")
         for name in ("keep_globals", "checkpoint_every_s"):
@@ -168,9 +175,10 @@ class SiteConfig:
             except ConfigError as e:
                 raise e.located("eval") from None
 
-    def load_trace(self) -> Trace:
-        """The site's trace, refused when it lacks the site's region (which only the file can tell)."""
-        trace = load_trace(self.scheduler.trace, **self.scheduler.trace_options())
+    def load_trace(self, path: str | None = None) -> Trace:
+        """The site's trace (or the file at ``path``, read the same way), refused when it lacks the
+        site's region (which only the file can tell)."""
+        trace = load_trace(path or self.scheduler.trace, **self.scheduler.trace_options())
         if self.region not in trace.regions:
             raise ConfigError(
                 f"{self.region!r} is not in trace {trace.source}; it has: {', '.join(trace.regions)}",

@@ -17,6 +17,7 @@ with its own timing, wired together here:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -39,11 +40,12 @@ from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import StateSync
 from greenswarm.node.telemetry import StatusLine, log_transition, progress_record, summary, write_summary
 from greenswarm.node.trainer import InnerTrainer
-from greenswarm.scheduler.clock import WAITING_FOR_START, make_clock
+from greenswarm.scheduler.clock import WAITING_FOR_START
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
+from greenswarm.scheduler.live import LiveSchedule, site_schedule
 from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.state import SiteState, decide_state
-from greenswarm.timefmt import utc_minute
+from greenswarm.timefmt import parse_instant, utc_minute
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
 
@@ -58,12 +60,15 @@ class SiteNode:
         self._stop = threading.Event()
         self.started = time.monotonic()
 
-        # windows, clock, energy: every rank knows them; only rank 0 acts on them
-        self.trace = trace = cfg.load_trace()
-        self.schedule = WindowSchedule(trace, cfg.region, cfg.scheduler.window_policy())
-        self.clock = make_clock(cfg.scheduler.clock, trace.start)
+        # windows, clock, energy: every rank knows them; only rank 0 acts on them (and polls a live signal)
+        self.schedule, self.clock = site_schedule(
+            cfg.scheduler, cfg.region, cfg.load_trace, self.log, poll=self.world.is_leader
+        )
         power = make_power_model(cfg.energy, on_gpu=self.world.device.type == "cuda")
-        self.ledger = EnergyLedger(trace, cfg.region, power, start=self.clock.now())
+        static = isinstance(self.schedule, WindowSchedule)  # a live signal is booked as observed so far
+        signal = self.schedule.trace if static else lambda: self.schedule.trace
+        self.ledger = EnergyLedger(signal, cfg.region, power, start=self.clock.now())
+        self.stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
         self.faults = FaultPlan.from_env()
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
@@ -115,8 +120,11 @@ class SiteNode:
     def _loop(self) -> None:
         while not self._stop.is_set():
             now = self.clock.now()
-            if self.cfg.node.stop_at_trace_end and now >= self.trace.end:
-                self.log.info("trace ends at %s: stopping", utc_minute(self.trace.end))
+            if self.cfg.node.stop_at_trace_end and now >= self.schedule.end:
+                self.log.info("trace ends at %s: stopping", utc_minute(self.schedule.end))
+                break
+            if now >= self.stop_at:
+                self.log.info("node.stop_at %s reached: stopping", utc_minute(self.stop_at))
                 break
             state = self._update_state(now)
             if state is IDLE:
@@ -305,7 +313,7 @@ class SiteNode:
     def _sleep_until_window(self, now: float) -> None:
         """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps)."""
         nxt = self.schedule.next_window(now)
-        target = min(nxt.start if nxt else self.trace.end, now + self.cfg.scheduler.poll_s)
+        target = min(nxt.start if nxt else self.schedule.end, now + self.cfg.scheduler.poll_s, self.stop_at)
         self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
         self.ranks.idle()  # keeps follower ranks' collectives from timing out during long idles
 
@@ -330,6 +338,8 @@ class SiteNode:
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
 
     def _close(self) -> None:
+        if isinstance(self.schedule, LiveSchedule):
+            self.schedule.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.ranks.stop()

@@ -108,6 +108,8 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "measured_mbit": swarm.averager.measured_mbit if swarm else None,
         "median_agreement_s": statistics.median(agreement) if agreement else None,
         "world_size": node.world.world_size,
+        # a live signal: its source (never a secret), polls, outages and the windows it gave
+        "signal": node.schedule.describe() if hasattr(node.schedule, "describe") else None,
     }
 
 

@@ -19,6 +19,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.forecast import FORECASTERS, make_forecaster
 from greenswarm.scheduler.policy import HysteresisPolicy, PercentilePolicy, WindowPolicy
+from greenswarm.signals.config import ON_SIGNAL_LOSS, SignalConfig
 from greenswarm.timefmt import NaiveTimeError, parse_instant, parse_iso
 from greenswarm.traces.builtin import BUILTIN_TRACES
 from greenswarm.traces.readers import INTERPOLATIONS, UNITS, VARIANTS
@@ -197,6 +198,12 @@ class SchedulerConfig(TraceSource):
     is ``threshold: 100, dwell_s: 600``. Alternatively ``percentile`` (0-100) opens windows below
     that percentile of the region's own trace, rolling over the last ``percentile_period_s`` seconds
     when set; it does not combine with ``leave_above``/``dwell_s``/``lookahead``.
+
+    ``signal`` (see :mod:`greenswarm.signals.config`) makes the site read its intensity live -- a trace
+    replayed sample by sample, a file a cron job rewrites, Electricity Maps or WattTime -- and decide
+    its windows as samples arrive (:mod:`greenswarm.scheduler.live`). When the signal stops,
+    ``on_signal_loss`` says what happens: ``pause`` training, ``hold-last`` value or follow the last
+    ``forecast``, for at most ``max_staleness_s`` past the last sample's interval, then pause.
     """
 
     threshold: float = 100.0
@@ -208,6 +215,9 @@ class SchedulerConfig(TraceSource):
     percentile: float | None = None
     percentile_period_s: float | None = None
     clock: ClockConfig = field(default_factory=ClockConfig)
+    signal: SignalConfig | None = None
+    on_signal_loss: str = "hold-last"
+    max_staleness_s: float = 3600.0
 
     def validate(self) -> None:
         super().validate()
@@ -221,6 +231,37 @@ class SchedulerConfig(TraceSource):
             self.clock.validate()
         except ConfigError as err:
             raise err.located("clock") from None
+        self._validate_signal()
+
+    def _validate_signal(self) -> None:
+        """The live signal and what a site does when it fails (see :mod:`greenswarm.scheduler.live`)."""
+        if self.on_signal_loss not in ON_SIGNAL_LOSS:
+            raise ConfigError(
+                f"must be one of {', '.join(ON_SIGNAL_LOSS)}, got {self.on_signal_loss!r}",
+                field="on_signal_loss",
+            )
+        check_number(self.max_staleness_s, "max_staleness_s", minimum=0.0, inclusive=True)
+        if self.signal is None:
+            return
+        if not isinstance(self.signal, SignalConfig):
+            raise ConfigError("must be a mapping of signal settings", field="signal")
+        try:
+            self.signal.validate()
+        except ConfigError as err:
+            raise err.located("signal") from None
+        if self.on_signal_loss == "forecast" and not self.signal.forecast:
+            raise ConfigError(
+                "needs a signal that reads forecasts (signal.forecast: true)", field="on_signal_loss"
+            )
+        if self.signal.is_api and self.clock.kind == "replay" and self.clock.start is None:
+            raise ConfigError(
+                f"a replayed {self.signal.kind} feed needs clock.start (there is no trace to start from)",
+                field="clock.start",
+            )
+        if self.lookahead is not None and self.signal is not None:
+            raise ConfigError(
+                "look-ahead reads a whole trace; a live signal has no future to read", field="lookahead"
+            )
 
     def _validate_rule(self) -> None:
         """The window rule's fields, including the combinations that make no sense."""

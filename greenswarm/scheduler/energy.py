@@ -172,11 +172,18 @@ def make_power_model(cfg: EnergyConfig, *, on_gpu: bool = True) -> PowerModel:
 
 
 class EnergyLedger:
-    """Running kWh, grams of CO2 and seconds per state for one site, from ``start`` onwards."""
+    """Running kWh, grams of CO2 and seconds per state for one site, from ``start`` onwards.
 
-    def __init__(self, trace: Trace, region: str, power: PowerModel, start: float):
-        trace.series(region)  # fail now, with the trace's list of regions, not at the first advance
-        self.trace = trace
+    ``trace`` is the site's trace, or for a live signal a callable that returns the signal as
+    observed so far (None before its first sample: energy is booked, emissions cannot be).
+    """
+
+    def __init__(
+        self, trace: Trace | Callable[[], Trace | None], region: str, power: PowerModel, start: float
+    ):
+        if isinstance(trace, Trace):
+            trace.series(region)  # fail now, with the trace's list of regions, not at the first advance
+        self._trace = trace
         self.region = region
         self.power = power
         self.t = float(start)
@@ -194,9 +201,16 @@ class EnergyLedger:
             return
         kw = self.power.kw(state)
         self.energy_kwh += kw * (t - self.t) / 3600.0
-        self.emissions_g += kw / 3600.0 * self.trace.integral(self.region, self.t, t)
+        trace = self.trace
+        if trace is not None:
+            self.emissions_g += kw / 3600.0 * trace.integral(self.region, self.t, t)
         self.seconds[SiteState(state).value] += t - self.t
         self.t = float(t)
+
+    @property
+    def trace(self) -> Trace | None:
+        """The intensity this ledger books against now."""
+        return self._trace if isinstance(self._trace, Trace) else self._trace()
 
     def state_dict(self) -> dict:
         """Plain JSON-able floats, saved with the site's checkpoint so totals survive a restart."""
