@@ -10,6 +10,7 @@ real node test drives by clock time.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -48,6 +49,7 @@ FAULTS = (
 @contextmanager
 def api_server() -> Iterator[HTTPServer]:
     """A threaded HTTP server on 127.0.0.1 and an ephemeral port (a slow answer holds no one else up)."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request drowns what matters
     server = HTTPServer(host="127.0.0.1", port=0, threaded=True)
     server.start()
     try:
@@ -64,6 +66,8 @@ class ReplayedApi:
     def __init__(self, server: HTTPServer, trace: Trace, zone: str, now: Callable[[], float]):
         self.server, self.trace, self.zone, self.now = server, trace, zone, now
         self.fault: str | None = None
+        #: faults by clock time: (start, end, fault) -- the real node test's outages
+        self.timetable: list[tuple[float, float, str]] = []
         self.slow_s = 3.0
         self.retry_after_s = 1
         self.requests: list[tuple[str, dict[str, str], float]] = []  # (path, query, monotonic time)
@@ -103,23 +107,28 @@ class ReplayedApi:
             if now < t <= now + hours * 3600
         ]
 
+    def current_fault(self) -> str | None:
+        now = self.now()
+        return next((f for a, b, f in self.timetable if a <= now < b), self.fault)
+
     def _corrupt(self, pairs: list[tuple[float, float]]) -> list[tuple[float, Any]]:
-        if self.fault == "nan":
+        fault = self.current_fault()
+        if fault == "nan":
             return [(t, None) for t, _ in pairs]
-        if self.fault == "negative":
+        if fault == "negative":
             return [(t, -abs(v) - 1) for t, v in pairs]
-        if self.fault == "backwards":
+        if fault == "backwards":
             return [(t - 3 * 86400, v) for t, v in pairs]
-        if self.fault == "future":
+        if fault == "future":
             return [(t + 3 * 86400, v) for t, v in pairs]
-        if self.fault == "empty":
+        if fault == "empty":
             return []
         return list(pairs)
 
     # ------------------------------------------------------------------ faults that replace the answer
 
     def _fault_response(self) -> Response | None:
-        fault = self.fault
+        fault = self.current_fault()
         if fault == "slow":
             time.sleep(self.slow_s)
             return None
@@ -138,7 +147,7 @@ class ReplayedApi:
 
     def _json(self, body: Any) -> Response:
         text = json.dumps(body)
-        if self.fault == "truncated":
+        if self.current_fault() == "truncated":
             text = text[: len(text) // 2]
         return Response(text, status=200, content_type="application/json")
 
@@ -186,12 +195,12 @@ class ReplayedApi:
             if not pairs:
                 return {"zone": self.zone}  # nothing to say: a body without the fields
             row = self._em_row(*pairs[-1])
-            if self.fault == "missing field":
+            if self.current_fault() == "missing field":
                 del row["carbonIntensity"]
             return row
         if what == "history":
             rows = [self._em_row(t, v) for t, v in self._corrupt(self._samples(now - 86400 + 1, now))]
-            if self.fault == "missing field":
+            if self.current_fault() == "missing field":
                 return {"zone": self.zone, "data": rows}
             return {"zone": self.zone, "history": rows}
         if what == "past-range":
@@ -235,7 +244,7 @@ class ReplayedApi:
             data = [
                 {"point_time": iso_utc(t), "value": None if v is None else v * LBS_PER_MWH} for t, v in pairs
             ]
-            if self.fault == "missing field":
+            if self.current_fault() == "missing field":
                 data = [{"point_time": d["point_time"]} for d in data]
             return self._json({"data": data, "meta": meta})
 

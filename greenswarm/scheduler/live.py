@@ -77,7 +77,7 @@ class LiveSchedule:
             None  # the observed signal, extended past its last sample as the policy says
         )
         self.usable_until = -math.inf
-        self.status = LOST
+        self.status = ""  # none yet: the first fresh sample is no news
         self._key: tuple[int, int] | None = None
         self._starts: list[float] = []
 
@@ -162,7 +162,7 @@ class LiveSchedule:
             return
         old, self.status = self.status, status
         if status == FRESH:
-            if old != FRESH and not observed.empty:
+            if old and not observed.empty:
                 self.log.info(
                     "signal fresh again: sample of %s in hand", utc_minute(float(observed.times[-1]))
                 )

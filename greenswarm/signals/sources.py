@@ -235,13 +235,14 @@ class ElectricityMapsSignal:
         return self.client.get(f"/v3/carbon-intensity/{what}", params=query, headers=self.headers)
 
     def read(self, since: float | None, now: float) -> Reading:
-        if since is None or now - since >= 2 * self.resolution_s:  # a gap that latest cannot fill
-            pairs = _points(
-                _field(self._get("history"), "history", "history"), "datetime", "carbonIntensity", "history"
-            )
-        else:
-            latest = self._get("latest")
-            pairs = _points([latest], "datetime", "carbonIntensity", "latest")
+        pairs = None
+        if since is not None and now - since < 2 * self.resolution_s:
+            pairs = _points([self._get("latest")], "datetime", "carbonIntensity", "latest")
+            if pairs[0][0] > since + 1.5 * self.resolution_s:
+                pairs = None  # latest skips an interval (one we dropped as bad, say): history fills it
+        if pairs is None:
+            body = self._get("history")
+            pairs = _points(_field(body, "history", "history"), "datetime", "carbonIntensity", "history")
         return Reading.of(pairs, self._forecast(now) if self.cfg.forecast else None)
 
     def _forecast(self, now: float) -> Issue:
