@@ -209,3 +209,33 @@ def test_bad_wide_forecast_files_are_named(tmp_path: Path, text: str, match: str
     path.write_text(text)
     with pytest.raises(TraceError, match=match):
         read_forecast_file(path)
+
+
+def test_one_wide_file_is_both_the_trace_and_the_forecasts_of_a_site(tmp_path: Path) -> None:
+    """``scheduler.trace: F`` and ``scheduler.lookahead: file:F``: the realized column is the trace (the
+    f1..fN columns are not regions), and the look-ahead leaves a window at once where the forecast
+    issued then says the dirty spell outlasts the dwell."""
+    from greenswarm.configuration import config_from_dict
+    from greenswarm.scheduler.config import SchedulerConfig
+    from greenswarm.scheduler.policy import WindowSchedule
+    from greenswarm.traces import load_trace
+
+    realized = [50, 50, 300, 300, 300, 300, 50, 50]
+    rows = ["time,value,f1,f2,f3"]
+    for h, v in enumerate(realized):
+        ahead = [realized[min(h + k, len(realized) - 1)] for k in (1, 2, 3)]
+        rows.append(f"{iso(h)},{v}," + ",".join(str(x) for x in ahead))
+    path = tmp_path / "gb.csv"
+    path.write_text("\n".join(rows) + "\n")
+    trace = load_trace(str(path))
+    assert trace.regions == ["value"] and list(trace.series("value")) == realized
+
+    base = {"trace": str(path), "threshold": 100, "dwell_s": 2 * HOUR}
+    plain = config_from_dict(SchedulerConfig, base)
+    ahead = config_from_dict(SchedulerConfig, {**base, "lookahead": f"file:{path}"})
+    late = WindowSchedule(trace, "value", plain.window_policy()).windows[0]
+    early = WindowSchedule(trace, "value", ahead.window_policy()).windows[0]
+    assert (late.start, late.end) == (at(0), at(4))  # the dwell rides two dirty hours
+    assert (early.start, early.end) == (at(0), at(2))  # the forecast issued at 02:00 says it lasts
+    with pytest.raises(Exception, match="lookahead"):
+        config_from_dict(SchedulerConfig, {**base, "lookahead": "file:"})

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from greenswarm.errors import ConfigError
-from greenswarm.scheduler.forecast import FORECASTERS, make_forecaster
+from greenswarm.errors import ConfigError, GreenswarmError
+from greenswarm.scheduler.forecast import FILE_PREFIX, FORECASTERS, Forecaster, forecaster_from_spec
 from greenswarm.scheduler.policy import HysteresisPolicy, PercentilePolicy, WindowPolicy
 from greenswarm.signals.config import ON_SIGNAL_LOSS, SignalConfig
 from greenswarm.timefmt import NaiveTimeError, parse_instant, parse_iso
@@ -273,8 +273,10 @@ class SchedulerConfig(TraceSource):
                     field="leave_above",
                 )
         check_number(self.dwell_s, "dwell_s", minimum=0.0, inclusive=True)
-        if self.lookahead is not None:
-            _choice(self.lookahead, list(FORECASTERS), "lookahead")
+        if self.lookahead is not None and not str(self.lookahead).startswith(FILE_PREFIX):
+            _choice(self.lookahead, [*FORECASTERS, "file:PATH"], "lookahead")
+        elif self.lookahead is not None and not self.lookahead[len(FILE_PREFIX) :].strip():
+            raise ConfigError("file: needs the path of a forecast file", field="lookahead")
         if self.percentile is not None:
             check_number(self.percentile, "percentile", minimum=0.0, inclusive=False)
             if self.percentile > 100:
@@ -289,6 +291,18 @@ class SchedulerConfig(TraceSource):
             if self.percentile is None:
                 raise ConfigError("needs percentile to be set", field="percentile_period_s")
 
+    def _lookahead(self) -> Forecaster | None:
+        """The look-ahead forecaster: by name, or forecasts as issued in a file (read like the trace)."""
+        if self.lookahead is None:
+            return None
+        spec = self.lookahead.strip()
+        if spec.startswith(FILE_PREFIX):
+            try:
+                return forecaster_from_spec(spec, tz=self.timezone, units=self.units)
+            except GreenswarmError as err:
+                raise ConfigError(str(err), field="scheduler.lookahead") from None
+        return forecaster_from_spec(spec.lower())
+
     def window_policy(self) -> WindowPolicy:
         """The window rule these fields describe; the node and ``greenswarm simulate`` both use it,
         so a simulated policy and a running site are configured the same way."""
@@ -299,7 +313,7 @@ class SchedulerConfig(TraceSource):
             self.leave_above,
             dwell_s=self.dwell_s,
             min_window_s=self.min_window_s,
-            lookahead=make_forecaster(self.lookahead.strip().lower()) if self.lookahead else None,
+            lookahead=self._lookahead(),
         )
 
 

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from greenswarm.traces.forecast_file import IssuedForecasts
+from greenswarm.traces.forecast_file import IssuedForecasts, read_forecast_file
 from greenswarm.traces.trace import Trace
 
 DAY_S = 86400.0
@@ -162,3 +162,16 @@ def make_forecaster(name: str) -> Forecaster:
         return FORECASTERS[name]()
     except KeyError:
         raise ValueError(f"unknown forecaster {name!r}; known: {', '.join(FORECASTERS)}") from None
+
+
+#: the prefix of a forecast spec that names a file of issued forecasts
+FILE_PREFIX = "file:"
+
+
+def forecaster_from_spec(spec: str, *, tz: str | None = None, units: str = "g/kWh") -> Forecaster:
+    """A forecaster by name, or ``file:PATH``: forecasts as they were issued, read with the trace's
+    options (``tz``, ``units``) -- the same file as the trace, if it holds both. A TraceError names
+    the file and line; a ValueError lists the known names."""
+    if spec.startswith(FILE_PREFIX):
+        return FileForecaster(read_forecast_file(spec[len(FILE_PREFIX) :], tz, units=units))
+    return make_forecaster(spec)

@@ -396,9 +396,8 @@ def run_simulate(
     import json
 
     from greenswarm.errors import ConfigError, TraceError
-    from greenswarm.scheduler.forecast import FORECASTERS, FileForecaster
+    from greenswarm.scheduler.forecast import FILE_PREFIX, FORECASTERS, forecaster_from_spec
     from greenswarm.simulation.policies import load_policy
-    from greenswarm.traces.forecast_file import read_forecast_file
     from greenswarm.traces.readers import load_trace
 
     names = _regions(regions)
@@ -408,13 +407,14 @@ def run_simulate(
     if not (math.isfinite(forecast_error) and forecast_error >= 0):
         raise ConfigError(f"must be a number >= 0, got {forecast_error:g}", where="--forecast-error")
     planner: str | Forecaster = forecast
-    if forecast.startswith("file:"):
+    if forecast.startswith(FILE_PREFIX):
         options = trace_options or {}
         try:
-            issued = read_forecast_file(forecast[5:], options.get("tz"), units=options.get("units", "g/kWh"))
+            planner = forecaster_from_spec(
+                forecast, tz=options.get("tz"), units=options.get("units", "g/kWh")
+            )
         except TraceError as err:
             raise ConfigError(str(err), where="--forecast") from None
-        planner = FileForecaster(issued)
     elif forecast not in FORECASTERS:
         raise ConfigError(
             f"unknown forecast {forecast!r}; known: {', '.join(FORECASTERS)}, file:PATH", where="--forecast"

@@ -168,6 +168,10 @@ class _Layout:
     value_col: int = -1  # long: the column holding the intensity
 
 
+#: a wide forecast file's horizon columns (see :mod:`greenswarm.traces.forecast_file`)
+_FORECAST_COLUMN = re.compile(r"f\d+")
+
+
 def _time_column(keys: list[str], default: int) -> tuple[int, bool]:
     """The time column (first with a known name, else ``default``) and whether it says UTC."""
     for i, key in enumerate(keys):
@@ -213,7 +217,10 @@ def _sniff(header: list[str], where: str, variant: str) -> _Layout:
         if region in seen:
             raise TraceError(f"{where}: region column '{region}' appears twice")
         seen.add(region)
-    wide = list(enumerate(header))[1:]
+    # a wide forecast file (time, value, f1..fN) is also the trace of its realized values: its
+    # forecast columns are not regions
+    columns = list(enumerate(header))[1:]
+    wide = [(i, name) for i, name in columns if not _FORECAST_COLUMN.fullmatch(keys[i])] or columns
     return _Layout("wide", header, 0, _UTC_SUFFIX.search(keys[0]) is not None, wide_columns=wide)
 
 
