@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from greenswarm import __version__
 from greenswarm.errors import ConfigError, GreenswarmError
+from greenswarm.timefmt import parse_instant
+
+if TYPE_CHECKING:
+    from greenswarm.traces.trace import Trace
 
 EPILOG = """\
 a swarm across sites:
@@ -343,20 +349,53 @@ def _add_trace_options(parser: argparse.ArgumentParser, interpolate: str = "hold
 
 
 def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
-    """``--trace``, repeatable, as ``windows`` and ``simulate`` take it (see :func:`_trace_arg`)."""
+    """``--trace`` and ``--signal``, repeatable, as ``windows`` and ``simulate`` take them (see
+    :func:`_trace_arg`)."""
     parser.add_argument(
         "--trace",
-        required=True,
         metavar="CSV",
         action="append",
+        default=[],
         help="trace file (CSV, or CSV compressed with gzip, xz or bzip2), a directory of them, or builtin / "
         "builtin:<name>; repeat it (or give a directory) to merge one file per zone into one trace",
     )
+    parser.add_argument(
+        "--signal",
+        metavar="KIND:AREA",
+        action="append",
+        default=[],
+        help="read a zone's history from a live API instead of a file: electricitymaps:ZONE (token in "
+        "$ELECTRICITYMAPS_TOKEN or --token-env) or watttime:REGION (login from $WATTTIME_USER and "
+        "$WATTTIME_PASSWORD); repeatable, merged with --trace",
+    )
+    parser.add_argument(
+        "--signal-url", metavar="URL", help="with --signal: the API's base URL (default: public)"
+    )
+    parser.add_argument("--token-env", metavar="NAME", help="with --signal: the variable holding the token")
+    parser.add_argument(
+        "--since", metavar="ISO", help="with --signal: history from here (default: a day ago)"
+    )
+    parser.add_argument("--until", metavar="ISO", help="with --signal: history up to here (default: now)")
 
 
-def _trace_arg(args: argparse.Namespace) -> str | list[str]:
-    """``--trace`` as given: one spec, or the several files (one per zone) to merge."""
-    return args.trace[0] if len(args.trace) == 1 else list(args.trace)
+def _trace_arg(args: argparse.Namespace) -> str | list[str | Trace]:
+    """``--trace`` as given (one spec, or several files to merge) and each ``--signal``'s history."""
+    if not args.trace and not args.signal:
+        raise ConfigError("give a trace file, or --signal KIND:AREA to read one from an API", where="--trace")
+    if not args.signal:
+        return args.trace[0] if len(args.trace) == 1 else list(args.trace)
+    from greenswarm.signals.sources import history_trace
+
+    until = parse_instant(args.until) if args.until else time.time()
+    since = parse_instant(args.since) if args.since else until - 86400.0
+    fetched = [
+        history_trace(
+            spec, since=since, until=until, base_url=args.signal_url, token_env=args.token_env,
+            variant=args.variant,
+        )
+        for spec in args.signal
+    ]  # fmt: skip
+    return [*args.trace, *fetched]
 
 
 def _trace_options(args: argparse.Namespace) -> dict:

@@ -28,6 +28,7 @@ from greenswarm.scheduler.policy import HysteresisPolicy, WindowSchedule
 from greenswarm.signals.config import SignalConfig
 from greenswarm.signals.feed import LiveFeed
 from greenswarm.signals.sources import ElectricityMapsSignal, FileSignal, TraceSignal, WattTimeSignal
+from greenswarm.timefmt import iso_utc
 from greenswarm.traces import load_trace
 from greenswarm.traces.trace import Trace
 from tests._shared import shared_path
@@ -401,3 +402,53 @@ def test_each_policy_during_a_long_outage(httpserver: HTTPServer, env: None, on_
         }[on_loss]
     )
     assert schedule.trace is not None
+
+
+# ---------------------------------------------------------------------- windows and simulate read the API
+
+
+def test_windows_and_simulate_read_an_api_like_a_file(
+    httpserver: HTTPServer, env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--signal electricitymaps:GB`` fetches past-range and gives the report the file gives."""
+    import json
+
+    from greenswarm.cli import main
+
+    full = load_trace(str(shared_path("traces/electricitymaps-2023/GB_2023_hourly.csv")))
+    days = slice(24 * 40, 24 * 52)  # twelve days: two past-range requests of at most ten days
+    trace = Trace.from_columns(full.times[days], {ZONE: full.series(ZONE)[days]}, "GB")
+    api = ReplayedApi(httpserver, trace, ZONE, lambda: trace.end + 86400)  # all of it in the past
+    span = ["--since", iso_utc(trace.start), "--until", iso_utc(trace.end)]
+    live = [
+        "--signal",
+        f"electricitymaps:{ZONE}",
+        "--signal-url",
+        api.url,
+        "--token-env",
+        "GS_EM_TOKEN",
+        *span,
+    ]
+    path = tmp_path / "gb.csv"
+    write_trace(path, {ZONE: list(trace.series(ZONE))}, start=iso_utc(trace.start), step_s=3600)
+
+    reports = []
+    for source in (live, ["--trace", str(path)]):
+        assert main(["windows", *source, "--region", ZONE, "--threshold", "120", "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0]["windows"] == reports[1]["windows"] and len(reports[0]["windows"]) > 5
+    assert [p for p, _, _ in api.requests].count("/v3/carbon-intensity/past-range") == 2
+
+    sims = []
+    for source in (live, ["--trace", str(path)]):
+        assert main(["simulate", *source, "--regions", ZONE, "--work", "50", "--json"]) == 0
+        sims.append(json.loads(capsys.readouterr().out))
+    figures = ("site_hours", "energy_kwh", "emissions_kg", "in_window_share", "baselines", "foresight_kg")
+    assert [sims[0][k] for k in figures] == [sims[1][k] for k in figures]
+
+    assert main(["windows", "--signal", "carbonaware:GB", "--region", ZONE]) == 2
+    assert "--signal: expected electricitymaps:ZONE or watttime:REGION" in capsys.readouterr().err
+    os.environ["GS_EM_TOKEN"] = "not-the-token"
+    assert main(["windows", *live, "--region", ZONE]) == 2
+    said = capsys.readouterr().err
+    assert "credentials refused" in said and "not-the-token" not in said and "Traceback" not in said

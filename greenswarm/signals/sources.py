@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from greenswarm.errors import GreenswarmError
-from greenswarm.signals.config import DEFAULT_TOKEN_ENV, SignalConfig
+from greenswarm.configuration import config_from_dict
+from greenswarm.errors import ConfigError, GreenswarmError
+from greenswarm.signals.config import DEFAULT_BASE_URL, DEFAULT_TOKEN_ENV, SignalConfig
 from greenswarm.signals.errors import FeedError
 from greenswarm.signals.http import JsonClient
 from greenswarm.timefmt import iso_utc, parse_iso
@@ -369,3 +370,30 @@ def make_source(
     if cfg.kind == "electricitymaps":
         return ElectricityMapsSignal(cfg, variant)
     return WattTimeSignal(cfg)
+
+
+def history_trace(
+    spec: str,
+    *,
+    since: float,
+    until: float,
+    base_url: str | None = None,
+    token_env: str | None = None,
+    variant: str = "direct",
+) -> Trace:
+    """A zone's realized signal over ``[since, until)`` from an API, named ``KIND:AREA``
+    (``electricitymaps:DE``, ``watttime:CAISO_NORTH``): what ``windows`` and ``simulate`` read
+    instead of a file. Errors name ``--signal`` (a spec or its config) or say what the API did."""
+    kind, _, area = spec.partition(":")
+    if kind not in DEFAULT_BASE_URL or not area.strip():
+        raise ConfigError(f"expected electricitymaps:ZONE or watttime:REGION, got {spec!r}", where="--signal")
+    fields: dict[str, Any] = {"kind": kind, "zone" if kind == "electricitymaps" else "region": area.strip()}
+    fields.update({k: v for k, v in (("base_url", base_url), ("token_env", token_env)) if v is not None})
+    cfg = config_from_dict(SignalConfig, fields, source="--signal")
+    if not since < until:
+        raise ConfigError("--since must come before --until", where="--since")
+    source = ElectricityMapsSignal(cfg, variant) if kind == "electricitymaps" else WattTimeSignal(cfg)
+    try:
+        return source.history(since, until)
+    finally:
+        source.close()

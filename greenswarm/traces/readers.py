@@ -406,7 +406,7 @@ def _load_builtin(spec: str) -> Trace:
 
 
 def load_trace(
-    spec: str | Sequence[str],
+    spec: str | Trace | Sequence[str | Trace],
     tz: str | None = None,
     *,
     units: str = "g/kWh",
@@ -423,25 +423,31 @@ def load_trace(
     applies to naive timestamps in files). Several specs, or a directory (its CSV files, plain or
     compressed), are read alike and merged into one multi-region trace
     (:func:`~greenswarm.traces.merge.merge_traces`: their common span, the finest resolution).
+    A :class:`Trace` among them (one fetched from an API, say) is taken as it is.
 
     ``interpolate`` says how intensity between samples is read. ``hold`` (the default) keeps the
     published step function: what a live controller sees, since it only knows the latest value.
     ``linear`` interpolates onto a ``grid_s`` grid (:meth:`Trace.resampled`), the convention of
     the curtail-llm anchor (60 s), for replays that should match its accounting.
     """
-    specs = [spec] if isinstance(spec, str) else list(spec)
+    specs = [spec] if isinstance(spec, str | Trace) else list(spec)
     if not specs:
         raise TraceError("no trace given")
-    method = _check_interpolation(", ".join(specs), interpolate, grid_s)
-    sources: list[str | Path] = []
+    method = _check_interpolation(", ".join(map(str, specs)), interpolate, grid_s)
+    sources: list[str | Path | Trace] = []
     for one in specs:
+        if isinstance(one, Trace):
+            sources.append(one)
+            continue
         path = Path(one).expanduser()
         builtin = one == "builtin" or one.startswith("builtin:")
         sources.extend(trace_files(path) if not builtin and path.is_dir() else [one])
     traces = []
     for source in sources:
         name = str(source)
-        if name == "builtin" or name.startswith("builtin:"):
+        if isinstance(source, Trace):
+            trace = source
+        elif name == "builtin" or name.startswith("builtin:"):
             trace = _load_builtin(name)
         else:
             path = Path(source).expanduser()
