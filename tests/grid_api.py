@@ -66,6 +66,8 @@ class ReplayedApi:
     def __init__(self, server: HTTPServer, trace: Trace, zone: str, now: Callable[[], float]):
         self.server, self.trace, self.zone, self.now = server, trace, zone, now
         self.fault: str | None = None
+        #: what the forecast endpoints alone do: "refused" (a plan without forecasts), "nan", "negative"
+        self.forecast_fault: str | None = None
         #: faults by clock time: (start, end, fault) -- the real node test's outages
         self.timetable: list[tuple[float, float, str]] = []
         self.slow_s = 3.0
@@ -170,6 +172,8 @@ class ReplayedApi:
             failed = self._fault_response()
             if failed is not None:
                 return failed
+            if what == "forecast" and self.forecast_fault == "refused":
+                return Response('{"message": "not in your plan"}', 403, content_type="application/json")
             return self._json(self._em_body(what, request))
 
         return handle
@@ -206,7 +210,12 @@ class ReplayedApi:
         if what == "past-range":
             start, end = parse_iso(request.args["start"]), parse_iso(request.args["end"])
             return {"zone": self.zone, "data": [self._em_row(t, v) for t, v in self._samples(start, end - 1)]}
-        rows = [{"carbonIntensity": v, "datetime": iso_utc(t, milliseconds=True)} for t, v in self._future()]
+        future = self._future()
+        if self.forecast_fault == "nan":
+            future = [(t, None if i % 2 else v) for i, (t, v) in enumerate(future)]
+        elif self.forecast_fault == "negative":
+            future = [(t, -1.0) for t, _ in future]
+        rows = [{"carbonIntensity": v, "datetime": iso_utc(t, milliseconds=True)} for t, v in future]
         return {"zone": self.zone, "forecast": rows, "updatedAt": iso_utc(now, milliseconds=True)}
 
     # ------------------------------------------------------------------ WattTime v3

@@ -129,6 +129,16 @@ def test_signal_config_names_the_field_and_never_echoes_a_secret(monkeypatch: py
             SchedulerConfig,
             {"signal": {"kind": "electricitymaps", "zone": "DE"}, "clock": {"kind": "replay"}},
         )
+    with pytest.raises(ConfigError, match="min_window_s: a live site cannot know"):
+        config_from_dict(SchedulerConfig, {"signal": {"kind": "trace"}, "min_window_s": 600})
+    with pytest.raises(ConfigError, match="percentile: a live signal has no whole trace"):
+        config_from_dict(SchedulerConfig, {"signal": {"kind": "trace"}, "percentile": 20})
+    with pytest.raises(ConfigError, match="horizon_h: WattTime forecasts reach 72 h"):
+        load(kind="watttime", region="CAISO_NORTH", horizon_h=96)
+    pasted = load(kind="electricitymaps", zone="DE", token_env="qR7xkT2mWbc9")  # a name, or a token?
+    with pytest.raises(ConfigError, match="variable named by token_env is not set") as err:
+        ElectricityMapsSignal(pasted.signal)
+    assert "qR7xkT2mWbc9" not in str(err.value)
     monkeypatch.delenv("ELECTRICITYMAPS_TOKEN", raising=False)
     cfg = load(kind="electricitymaps", zone="DE")
     with pytest.raises(
@@ -372,9 +382,9 @@ def test_a_persistent_rate_limit_delays_the_next_poll(httpserver: HTTPServer, en
     api = ReplayedApi(httpserver, trace, ZONE, clock.now)
     api.retry_after_s = 120
     api.fail("rate-limited")
-    feed = LiveFeed(_em(api), clock.now, 60.0, logging.getLogger("t"))
+    feed = LiveFeed(_em(api, poll_s=60), clock.now, 60.0, logging.getLogger("t"))
     assert not feed.poll()
-    assert feed._next_wait_s == 120
+    assert feed._next_wait_s == 60  # asked for 120 s: honoured up to one poll, so no header stalls a site
 
 
 @pytest.mark.parametrize("on_loss", ["pause", "hold-last", "forecast"])
@@ -452,3 +462,34 @@ def test_windows_and_simulate_read_an_api_like_a_file(
     assert main(["windows", *live, "--region", ZONE]) == 2
     said = capsys.readouterr().err
     assert "credentials refused" in said and "not-the-token" not in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize("fault", ["refused", "nan", "negative"])
+def test_a_bad_forecast_costs_the_realized_signal_nothing(
+    httpserver: HTTPServer, env: None, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """A forecast endpoint the plan lacks, or a forecast with null or negative values: the realized
+    samples still arrive, the forecast's trouble is said once, and on_signal_loss: forecast never
+    stands a bad value in for the signal (it holds for one poll, then pauses)."""
+    trace = _hourly([40.0] * 6 + [400.0] * 6)
+    clock = FakeClock(float(trace.times[2]) + 60)
+    api = ReplayedApi(httpserver, trace, ZONE, clock.now)
+    api.forecast_fault = fault
+    feed = LiveFeed(_em(api, forecast=True), clock.now, 300.0, logging.getLogger("t"))
+    schedule = _schedule(feed, 100.0, on_loss="forecast", staleness=6 * HOUR)
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        assert feed.poll()
+        clock.t += 300
+    assert list(feed.observed().values) == [40.0, 40.0, 40.0]
+    said = [r.getMessage() for r in caplog.records if "no forecast" in r.getMessage()]
+    assert len(said) == (1 if fault == "refused" else 0)
+    issue = feed.observed().forecast
+    if fault == "negative":
+        assert issue is None
+    elif fault == "nan":
+        assert issue is not None and np.isfinite(issue.values).all()
+    api.fail("http 500")  # the feed dies: a clean forecast may stand in; a bad one never does
+    clock.t = float(trace.times[3]) + 1200
+    feed.poll()
+    assert schedule.in_window(clock.t) is (fault == "nan")

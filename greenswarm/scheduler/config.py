@@ -258,9 +258,20 @@ class SchedulerConfig(TraceSource):
                 f"a replayed {self.signal.kind} feed needs clock.start (there is no trace to start from)",
                 field="clock.start",
             )
-        if self.lookahead is not None and self.signal is not None:
+        # what needs the future, or the whole trace, which a live signal does not have
+        if self.lookahead is not None:
             raise ConfigError(
-                "look-ahead reads a whole trace; a live signal has no future to read", field="lookahead"
+                "look-ahead reads a whole trace; a live signal has no future", field="lookahead"
+            )
+        if self.min_window_s:
+            raise ConfigError(
+                "a live site cannot know how long a window will last; leave it 0 with a signal",
+                field="min_window_s",
+            )
+        if self.percentile is not None and self.percentile_period_s is None:
+            raise ConfigError(
+                "a live signal has no whole trace to take a percentile of: set percentile_period_s",
+                field="percentile",
             )
 
     def _validate_rule(self) -> None:

@@ -117,12 +117,12 @@ class LiveSchedule:
         key = (observed.version, steps)
         if key == self._key:
             return
-        self._key = key
         trace = self._extended(observed, steps)
         found = self.policy.windows(trace, self.region)
         self.windows = [Window(w.start, min(w.end, usable)) for w in found if w.start < usable]
         self._starts = [w.start for w in self.windows]
         self.trace, self.usable_until = trace, usable
+        self._key = key  # (only once all of it is computed)
 
     def _usable_until(self, observed: Observed) -> float:
         covered = observed.covered_until

@@ -225,6 +225,11 @@ class WindowSchedule:
         self.windows: list[Window] = sorted(policy.windows(trace, region), key=lambda w: w.start)
         self._starts = [w.start for w in self.windows]
 
+    @property
+    def end(self) -> float:
+        """When the signal ends: the trace's end (a live schedule's may be never)."""
+        return self.trace.end
+
     def current(self, t: float) -> Window | None:
         """The window containing ``t``, if any."""
         i = bisect.bisect_right(self._starts, t) - 1

@@ -37,6 +37,10 @@ DEFAULT_TOKEN_ENV = {"electricitymaps": "ELECTRICITYMAPS_TOKEN"}
 #: WattTime signal types that are an emission rate (health_damage is in $/MWh: not an intensity)
 WATTTIME_SIGNALS = ("co2_moer", "co2_aoer")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+#: a name that is safe to repeat in a message: conventional, upper case, in words (a token is not)
+_PLAIN_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
+#: WattTime forecasts reach 72 h ahead
+WATTTIME_HORIZON_H = 72.0
 
 
 def _positive(value: object, name: str) -> None:
@@ -120,6 +124,10 @@ class SignalConfig:
         if self.token_env is not None:
             _env_name(self.token_env, "token_env")
         if self.kind == "watttime":
+            if self.horizon_h > WATTTIME_HORIZON_H:
+                raise ConfigError(
+                    f"WattTime forecasts reach {WATTTIME_HORIZON_H:g} h at most", field="horizon_h"
+                )
             _env_name(self.user_env, "user_env")
             _env_name(self.password_env, "password_env")
             if self.signal_type not in WATTTIME_SIGNALS:
@@ -149,12 +157,15 @@ class SignalConfig:
         return f"{self.kind} {self.area} at {urlsplit(self.url).netloc}"
 
     def secret(self, name: str) -> str:
-        """The value of the environment variable ``name``; a ConfigError naming the field (and the
-        variable, never its value) when it is unset."""
-        value = os.environ.get(str(getattr(self, name)) or "", "")
+        """The value of the environment variable that field ``name`` names, stripped (env files leave
+        newlines); a ConfigError naming the field when it is unset. The variable's name is repeated
+        only when it looks like one (``ELECTRICITYMAPS_TOKEN``): a token pasted there is not."""
+        variable = str(getattr(self, name) or "")
+        value = os.environ.get(variable, "").strip()
         if not value:
+            said = variable if _PLAIN_NAME.fullmatch(variable) else f"named by {name}"
             raise ConfigError(
-                f"environment variable {getattr(self, name)} is not set (it holds the {self.kind} "
+                f"environment variable {said} is not set (it holds the {self.kind} "
                 f"{'token' if name == 'token_env' else name.removesuffix('_env')})",
                 field=f"scheduler.signal.{name}",
             )

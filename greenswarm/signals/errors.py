@@ -27,7 +27,10 @@ class FeedError(GreenswarmError):
     ``retry_after_s`` is set when the server asked us to wait (HTTP 429/503 ``Retry-After``).
     """
 
-    def __init__(self, kind: str, message: str, retry_after_s: float | None = None):
+    def __init__(
+        self, kind: str, message: str, retry_after_s: float | None = None, status: int | None = None
+    ):
         self.kind = kind
         self.retry_after_s = retry_after_s
+        self.status = status  # the HTTP status, when there was one
         super().__init__(message)

@@ -103,6 +103,8 @@ class LiveFeed:
         self._trouble_since = 0.0
         self._failed_in_trouble = 0
         self._next_wait_s: float | None = None
+        self._first = threading.Event()  # set once the first poll is done
+        self._forecast_trouble: str | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -112,11 +114,12 @@ class LiveFeed:
 
     # ------------------------------------------------------------------ polling
 
-    def start(self) -> None:
-        """Poll once now (so a site starts with data when the feed is up), then on a thread."""
-        self.poll()
+    def start(self, first_wait_s: float = 5.0) -> None:
+        """Poll on a thread from now on, and wait up to ``first_wait_s`` wall seconds for the first
+        answer (so a site starts with data when the feed is up, and without it when it is not)."""
         self._thread = threading.Thread(target=self._run, name="signal-feed", daemon=True)
         self._thread.start()
+        self._first.wait(first_wait_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,6 +128,8 @@ class LiveFeed:
         self.source.close()
 
     def _run(self) -> None:
+        self.poll()
+        self._first.set()
         while not self._stop.is_set():
             wait = self.wall_s(self.poll_s)
             if self._next_wait_s is not None:
@@ -148,11 +153,23 @@ class LiveFeed:
         except Exception as err:  # a source's own bug must not stop the site: say it, in one line
             self._failed("error", f"{type(err).__name__}: {err}")
             return False
+        self._forecast_state(reading)
         if problem is not None:
             self._failed(*problem)
             return False
         self._recovered()
         return True
+
+    def _forecast_state(self, reading: Reading) -> None:
+        """A forecast that failed costs the poll nothing: said once, and once when it is back."""
+        err = reading.forecast_error
+        if err is not None and err.kind != self._forecast_trouble and not self._stop.is_set():
+            self.log.warning(
+                "signal %s: no forecast: %s; the realized signal is unaffected", self.source.name, err
+            )
+        elif err is None and self._forecast_trouble is not None and reading.forecast is not None:
+            self.log.info("signal %s: forecast back", self.source.name)
+        self._forecast_trouble = None if err is None else err.kind
 
     def _accept(self, reading: Reading, now: float) -> tuple[str, str] | None:
         """Merge a reading into what was observed; the (kind, message) of a problem with it, if any."""
@@ -188,10 +205,9 @@ class LiveFeed:
                 )
             )
         forecast = old.forecast
-        if reading.forecast is not None and (
-            forecast is None or reading.forecast.generated_at >= forecast.generated_at
-        ):
-            forecast = reading.forecast
+        issue = _checked(reading.forecast)
+        if issue is not None and (forecast is None or issue.generated_at >= forecast.generated_at):
+            forecast = issue
         if fresh.any() or forecast is not old.forecast:
             keep_from = now - self.retention_s
             all_t = np.concatenate([old.times, times[fresh]])
@@ -212,6 +228,8 @@ class LiveFeed:
         return problems[0] if problems else None
 
     def _failed(self, kind: str, message: str) -> None:
+        if self._stop.is_set():  # a request cut short by stop() is no outage
+            return
         self.stats.failed_polls += 1
         self.stats.failures[kind] = self.stats.failures.get(kind, 0) + 1
         if self._trouble is None:
@@ -238,6 +256,19 @@ class LiveFeed:
     def failing(self) -> str | None:
         """The kind of the failure in progress (None while the feed answers)."""
         return self._trouble
+
+
+def _checked(issue: Issue | None) -> Issue | None:
+    """A forecast without its NaN, missing or negative points (None when nothing is left): a bad
+    forecast value must not stand in for the signal."""
+    if issue is None:
+        return None
+    times, values = np.asarray(issue.times, np.float64), np.asarray(issue.values, np.float64)
+    good = np.isfinite(times) & np.isfinite(values) & (values >= 0)
+    if not good.any():
+        return None
+    order = np.argsort(times[good], kind="stable")
+    return Issue(issue.generated_at, times[good][order], values[good][order])
 
 
 def _stamp(t: float) -> str:

@@ -13,10 +13,11 @@ import logging
 import math
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
-from urllib3.exceptions import ReadTimeoutError
+from urllib3.exceptions import InvalidHeader, ReadTimeoutError
 from urllib3.util.retry import Retry
 
 from greenswarm.signals.errors import FeedError, redact
@@ -34,7 +35,10 @@ def _capped_retry(cap_s: float) -> type[Retry]:
 
     class CappedRetry(Retry):
         def get_retry_after(self, response: Any) -> float | None:
-            seconds = super().get_retry_after(response)
+            try:
+                seconds = super().get_retry_after(response)
+            except InvalidHeader:  # "1.5" or garbage: back off as if none was sent
+                return None
             return None if seconds is None else min(seconds, cap_s)
 
     return CappedRetry
@@ -70,6 +74,10 @@ class JsonClient:
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = float(timeout_s)
+        self.max_retry_after_s = float(max_retry_after_s)
+        parts = urlsplit(self.base_url)
+        if parts.scheme == "http" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("%s is plain http: the API's credentials cross the network unencrypted", parts.netloc)
         self.secrets = [s for s in secrets if s]
         retry = _capped_retry(max_retry_after_s)(
             total=retries,
@@ -104,8 +112,8 @@ class JsonClient:
         url = self.base_url + path
         try:
             response = self.session.get(
-                url, params=params, headers=headers, auth=auth, timeout=self.timeout_s
-            )
+                url, params=params, headers=headers, auth=auth, timeout=self.timeout_s, allow_redirects=False
+            )  # no redirects: requests would carry the auth-token header to wherever they point
         except requests.exceptions.Timeout:
             raise FeedError("timeout", f"no answer from {path} within {self.timeout_s:g} s") from None
         except requests.exceptions.RetryError as err:  # retries spent on a retried status
@@ -133,16 +141,15 @@ class JsonClient:
         status = response.status_code
         body = self._clean(response.text[:QUOTE_CHARS].replace("\n", " ").strip())
         said = f": {body}" if body else ""
+        wait = _retry_after(response)
+        wait = None if wait is None else min(wait, self.max_retry_after_s)
         if status == 429:
-            wait = _retry_after(response)
-            return FeedError("rate-limited", f"{path}: HTTP 429, rate-limited{said}", retry_after_s=wait)
+            return FeedError("rate-limited", f"{path}: HTTP 429, rate-limited{said}", wait, status)
         if status in (401, 403):
-            return FeedError("refused", f"{path}: HTTP {status}, credentials refused{said}")
+            return FeedError("refused", f"{path}: HTTP {status}, credentials refused{said}", status=status)
         if status in (400, 404):
-            return FeedError("unknown area", f"{path}: HTTP {status}{said}")
-        return FeedError(
-            f"http {status}", f"{path}: HTTP {status}{said}", retry_after_s=_retry_after(response)
-        )
+            return FeedError("unknown area", f"{path}: HTTP {status}{said}", status=status)
+        return FeedError(f"http {status}", f"{path}: HTTP {status}{said}", wait, status)
 
     def _clean(self, text: str) -> str:
         return redact(text, self.secrets)

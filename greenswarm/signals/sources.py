@@ -50,11 +50,13 @@ WATTTIME_UNITS = {"lbs_co2_per_mwh": "lbs/MWh", "g_co2_per_kwh": "g/kWh", "kg_co
 @dataclass
 class Reading:
     """What one poll brought: realized samples (start instants and g/kWh values, in the order the
-    source gave them; the feed checks them) and, when asked for, the forecast issued with them."""
+    source gave them; the feed checks them) and, when asked for, the forecast issued with them --
+    or why there is none (a forecast that fails costs the poll nothing else)."""
 
     times: np.ndarray
     values: np.ndarray
     forecast: Issue | None = None
+    forecast_error: FeedError | None = None
 
     @classmethod
     def of(cls, pairs: list[tuple[float, float]], forecast: Issue | None = None) -> Reading:
@@ -244,7 +246,7 @@ class ElectricityMapsSignal:
         if pairs is None:
             body = self._get("history")
             pairs = _points(_field(body, "history", "history"), "datetime", "carbonIntensity", "history")
-        return Reading.of(pairs, self._forecast(now) if self.cfg.forecast else None)
+        return _with_forecast(Reading.of(pairs), self._forecast, now, self.cfg.forecast)
 
     def _forecast(self, now: float) -> Issue:
         body = self._get("forecast")
@@ -265,6 +267,16 @@ class ElectricityMapsSignal:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _with_forecast(reading: Reading, fetch: Callable[[float], Issue], now: float, wanted: bool) -> Reading:
+    """``reading`` with the forecast fetched now, or the reason it could not be."""
+    if wanted:
+        try:
+            reading.forecast = fetch(now)
+        except FeedError as err:
+            reading.forecast_error = err
+    return reading
 
 
 def _issue_arrays(pairs: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -293,7 +305,7 @@ class WattTimeSignal:
         self.cfg = cfg
         self.fixed_token = cfg.secret("token_env") if cfg.token_env else None
         self.login = None if self.fixed_token else (cfg.secret("user_env"), cfg.secret("password_env"))
-        self.client = _client(cfg, [self.fixed_token or "", *(self.login or ())])
+        self.client = _client(cfg, [self.fixed_token or "", self.login[1] if self.login else ""])
         self.region, self.signal_type = cfg.area, cfg.signal_type
         self.name = cfg.describe()
         self.resolution_s = WATTTIME_RESOLUTION_S
@@ -320,9 +332,9 @@ class WattTimeSignal:
                     path, params=query, headers={"Authorization": f"Bearer {self._bearer()}"}
                 )
             except FeedError as err:
-                if err.kind != "refused" or self.login is None or attempt:
+                if err.status != 401 or self.login is None or attempt:
                     raise
-                self._token = None  # an expired token: log in again, once
+                self._token = None  # an expired token (401; 403 is a plan without access): log in again
         raise AssertionError("unreachable")
 
     def _pairs(self, body: Any, where: str) -> list[tuple[float, float]]:
@@ -335,7 +347,9 @@ class WattTimeSignal:
     def read(self, since: float | None, now: float) -> Reading:
         start = now - 86400.0 if since is None else max(since, now - WATTTIME_RANGE_S)
         body = self._get("/v3/historical", start=iso_utc(start), end=iso_utc(now))
-        return Reading.of(self._pairs(body, "historical"), self._forecast(now) if self.cfg.forecast else None)
+        return _with_forecast(
+            Reading.of(self._pairs(body, "historical")), self._forecast, now, self.cfg.forecast
+        )
 
     def _forecast(self, now: float) -> Issue:
         body = self._get("/v3/forecast", horizon_hours=int(math.ceil(self.cfg.horizon_h)))
@@ -363,8 +377,8 @@ def make_source(
         return TraceSignal(load(trace_path), region)
     if cfg.kind == "file":
         if trace_path.startswith("builtin") or Path(trace_path).is_dir():
-            raise FeedError(
-                "malformed", f"a file signal re-reads one file; scheduler.trace is {trace_path!r}"
+            raise ConfigError(
+                f"a file signal re-reads one file; scheduler.trace is {trace_path!r}", field="scheduler.trace"
             )
         return FileSignal(trace_path, region, load)
     if cfg.kind == "electricitymaps":
