@@ -43,6 +43,7 @@ FAULTS = (
     "future",
     "slow",
     "empty",
+    "unknown area",
 )
 
 
@@ -143,6 +144,9 @@ class ReplayedApi:
             return Response('{"message": "Too Many Requests"}', status=429, headers=headers)
         if fault == "refused":
             return Response('{"error": "invalid token"}', status=401, content_type="application/json")
+        if fault == "unknown area":
+            body = '{"status": "error", "message": "Zone does not exist."}'
+            return Response(body, status=404, content_type="application/json")
         if fault == "html":
             return Response("<html><body>Bad Gateway</body></html>", status=200, content_type="text/html")
         return None

@@ -2,15 +2,21 @@
 
 The feed is the Electricity Maps v3 API, served on 127.0.0.1 by :class:`tests.grid_api.ReplayedApi`
 from a day of GB's 2023 export (day 86, threshold 120 gCO2/kWh: windows 03-05, 09-16 and 22-24 h),
-replayed at 1800x. The API fails three times, by clock time:
+replayed at 1800x. The API fails twelve ways, by clock time (hours; * inside a window, where
+hold-last keeps the site training):
 
-    06:12-08:36  HTTP 503 (retried, then reported)       between windows
-    12:12-13:06  an HTML error page where JSON belongs   inside a window: hold-last keeps training
-    18:00-19:30  null values                             between windows
+    00:12-00:30 HTTP 429 (Retry-After: 0)   09:30-10:12* JSON without carbonIntensity
+    01:12-01:54 HTTP 500                    10:36-11:18* timestamps three days back
+    03:18-04:00* HTTP 401                   12:12-13:06* an HTML error page
+    05:48-06:30 JSON cut short              13:30-14:12* timestamps three days ahead
+    06:48-08:24 HTTP 503                    16:30-17:54  no answer within the timeout
+                                            19:00-20:00  null values
+                                            20:18-21:00  HTTP 404, unknown zone
 
-The node must enter and leave the windows the file gives, stay in its window through the outage
-inside it, say each outage in one line without a traceback or the token, and end with exactly the
-file's windows in its summary (what it missed during outages is filled in from ``history``).
+The node must enter and leave the windows the file gives, stay in its window through the outages
+inside them, say each outage in one line without a traceback or the token (and one when the feed is
+back), and end with exactly the file's windows in its summary (what it missed during outages is
+filled in from ``history``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,35 @@ pytestmark = [pytest.mark.signals, pytest.mark.swarm, pytest.mark.shared]
 ZONE, DAY, THRESHOLD = "GB", 86, 120.0
 SPEEDUP = 1800.0
 HOUR = 3600.0
-OUTAGES_H = [(6.2, 8.6, "http 503"), (12.2, 13.1, "html"), (18.0, 19.5, "nan")]
+OUTAGES_H = [
+    (0.2, 0.5, "rate-limited"),
+    (1.2, 1.9, "http 500"),
+    (3.3, 4.0, "refused"),
+    (5.8, 6.5, "truncated"),
+    (6.8, 8.4, "http 503"),
+    (9.5, 10.2, "missing field"),
+    (10.6, 11.3, "backwards"),
+    (12.2, 13.1, "html"),
+    (13.5, 14.2, "future"),
+    (16.5, 17.9, "slow"),  # both tries (a timeout is an hour of clock time) fall inside
+    (19.0, 20.0, "nan"),
+    (20.3, 21.0, "unknown area"),
+]
+#: what the one line about each says
+SAID = {
+    "rate-limited": "HTTP 429",
+    "http 500": "HTTP 500",
+    "refused": "credentials refused",
+    "truncated": "not JSON",
+    "http 503": "HTTP 503",
+    "missing field": "expected 'datetime' and 'carbonIntensity'",
+    "backwards": "older than",
+    "html": "not JSON",
+    "future": "stamped after now",
+    "slow": "no answer",
+    "nan": "NaN, missing or negative",
+    "unknown area": "HTTP 404",
+}
 EDGE_S = 1800.0  # a transition may lag its window edge by a poll (300 s) and a training step or two
 TRANSITION = re.compile(r"(IDLE|SOLO|FEDERATED) -> (IDLE|SOLO|FEDERATED) at (\S+ \S+Z)")
 
@@ -59,6 +93,7 @@ def test_node_follows_a_live_feed_over_http_through_its_outages(swarm: Swarm, tm
     with api_server() as server:
         # (a replay's clock stands a little before its start until then; a live API has a latest anyway)
         api = ReplayedApi(server, _hours(26), ZONE, lambda: max(clock.now(), trace.start))
+        api.retry_after_s, api.slow_s = 0, 2.5
         api.timetable = [(trace.start + a * HOUR, trace.start + b * HOUR, f) for a, b, f in OUTAGES_H]
         peers = swarm.bootstrap()
         cfg = site_config(
@@ -96,7 +131,7 @@ def test_node_follows_a_live_feed_over_http_through_its_outages(swarm: Swarm, tm
     said = [line for line in log.splitlines() if " W " in line and "signal electricitymaps GB" in line]
     assert len(said) == len(OUTAGES_H), said
     for line, (_, _, what) in zip(said, OUTAGES_H, strict=True):
-        assert {"http 503": "HTTP 503", "html": "not JSON", "nan": "NaN, missing or negative"}[what] in line
+        assert SAID[what] in line
         assert "hold-last" in line
     assert log.count("back after") == len(OUTAGES_H)
 

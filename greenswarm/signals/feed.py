@@ -145,7 +145,8 @@ class LiveFeed:
         since = None if self._observed.empty else float(self._observed.times[-1])
         try:
             reading = self.source.read(since, now)
-            problem = self._accept(reading, now)
+            # judged at the time the answer came: a slow one may carry samples stamped after the ask
+            problem = self._accept(reading, max(now, self.now()))
         except FeedError as err:
             self._next_wait_s = err.retry_after_s
             self._failed(err.kind, str(err))

@@ -44,6 +44,16 @@ def _capped_retry(cap_s: float) -> type[Retry]:
     return CappedRetry
 
 
+class _QuietRetries(logging.Filter):
+    """Drops urllib3's line per retry: a feed says a failure once, itself (:mod:`greenswarm.signals.feed`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Retrying")
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietRetries())
+
+
 def _cause(err: Exception) -> BaseException | None:
     """What lies under a requests error: urllib3's MaxRetryError carries the last failure as ``reason``."""
     inner = err.args[0] if err.args else None
