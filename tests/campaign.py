@@ -193,7 +193,8 @@ class Campaign:
         fault = self.queue[site][0]
         age = time.time() - self.spawned[site]
         if proc.poll() is not None:  # died at its point (or crashed: exit_code says which)
-            result = FaultResult(fault, fired=proc.returncode == -signal.SIGKILL, fired_after_s=age)
+            fired = proc.returncode == -signal.SIGKILL or self._recorded(site, proc.pid, fault)
+            result = FaultResult(fault, fired=fired, fired_after_s=age)
             result.exit_code = proc.returncode
             self._after_death(site, result)
         elif _stopped(proc.pid):
@@ -201,6 +202,19 @@ class Campaign:
         elif self._overdue(site):  # the point never came up: kill from outside, say so
             self.swarm.kill(name, signal.SIGKILL)
             self._after_death(site, FaultResult(fault, fired=False, fired_after_s=age))
+
+    def _recorded(self, site: str, pid: int, fault: Fault) -> bool:
+        """Whether this life of ``site`` recorded ``fault`` as firing before it died. The kill signals
+        the site's children first and itself last; a C++ thread that writes to a child's pipe in that
+        instant can abort the process (SIGABRT, "terminate called ... Broken pipe") before its own
+        SIGKILL lands: the fault fired all the same, and ``exit_code`` says how the process ended."""
+        path = self.workdir / site / "faults.jsonl"
+        if not path.exists():
+            return False
+        return any(
+            e.get("pid") == pid and e.get("point") == fault.point and e.get("action") == fault.action
+            for e in read_rounds(path)
+        )
 
     def _overdue(self, site: str) -> bool:
         """Whether the site's fault should have fired by now: ``fire_timeout_s`` after it was armed
