@@ -9,6 +9,8 @@ intensity of this region be at these future instants, given what is known now?" 
 * :class:`SeasonalForecaster`: persistence fading into "the same time yesterday" (seasonal naive)
   with a time constant of a few hours. Grid intensity is strongly diurnal (solar), so yesterday is a
   good guess for tomorrow's afternoon; uses only the trace up to now.
+* :class:`ProfileForecaster`: the region's usual week (hour of day x day of week over the last four
+  weeks), shifted to today's level; uses only the trace up to now.
 * :class:`FileForecaster`: forecasts as they were issued, read from a file (``file:PATH``), each
   used only from its issue time on.
 * :class:`OracleForecaster`: the trace itself. Not available to a live site; it is the upper bound
@@ -26,6 +28,7 @@ from greenswarm.traces.forecast_file import IssuedForecasts, read_forecast_file
 from greenswarm.traces.trace import Trace
 
 DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
 
 
 def values_at(trace: Trace, region: str, times: np.ndarray) -> np.ndarray:
@@ -61,12 +64,13 @@ class PersistenceForecaster:
 
 
 class SeasonalForecaster:
-    """``w(h) * now + (1 - w(h)) * yesterday(t)`` with ``w(h) = exp(-h / tau_s)`` for horizon ``h``.
+    """``w(h) * now + (1 - w(h)) * same_time(t)`` with ``w(h) = exp(-h / tau_s)`` for horizon ``h``.
 
-    Near the present, persistence is the better guess; hours ahead, the diurnal cycle is. Where the
-    trace has no value 24 h before ``t`` (its first day) or ``t - 24 h`` lies after ``now`` (a
-    horizon over a day, whose "yesterday" is itself unknown), it falls back to persistence, so it
-    never peeks past ``now``.
+    Near the present, persistence is the better guess; hours ahead, the diurnal cycle is.
+    ``same_time(t)`` is the value at the same time of day on the latest day already known: 24 h
+    before ``t`` for a horizon under a day, 48 h before for one under two days, and so on (seasonal
+    naive), so a horizon of weeks still follows the daily cycle and never peeks past ``now``. Where
+    that day lies before the trace (its first days), it falls back to persistence.
     """
 
     name = "seasonal"
@@ -79,11 +83,12 @@ class SeasonalForecaster:
     def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
         times = np.asarray(times, dtype=np.float64)
         current = values_at(trace, region, np.array([now]))[0]
-        past = times - DAY_S
+        days_back = np.maximum(1.0, np.ceil((times - now) / DAY_S))  # the latest whole day at or before now
+        past = times - days_back * DAY_S
         known = (past >= trace.start) & (past <= now)
-        yesterday = np.where(known, values_at(trace, region, past), current)
+        same_time = np.where(known, values_at(trace, region, past), current)
         weight = np.exp(-np.maximum(times - now, 0.0) / self.tau_s)
-        return weight * current + (1.0 - weight) * yesterday
+        return weight * current + (1.0 - weight) * same_time
 
 
 class ClimatologyForecaster:
@@ -102,6 +107,53 @@ class ClimatologyForecaster:
         if not times.size:
             return np.zeros(0)
         return np.quantile(past, np.linspace(0.0, 1.0, times.size))
+
+
+class ProfileForecaster:
+    """The region's usual week, shifted to today's level: ``P(t) + (now - P(now)) * exp(-h / tau_s)``.
+
+    ``P`` is the mean intensity of each hour of the week (UTC hour of day x day of week) over the last
+    ``weeks`` weeks up to ``now``; while fewer than seven days are known it is the mean of each hour of
+    the day, and with less than a day it is persistence. The present level fades into the profile
+    with time constant ``tau_s``: a windy afternoon says something about tonight, little about next
+    week. Uses only samples at or before ``now``.
+    """
+
+    name = "profile"
+
+    def __init__(self, weeks: int = 4, tau_s: float = 6 * 3600.0):
+        if isinstance(weeks, bool) or not isinstance(weeks, int) or weeks < 1:
+            raise ValueError(f"weeks must be an integer >= 1, got {weeks!r}")
+        if not (math.isfinite(tau_s) and tau_s > 0):
+            raise ValueError(f"tau_s must be a finite number > 0, got {tau_s}")
+        self.weeks, self.tau_s = weeks, float(tau_s)
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        times = np.asarray(times, dtype=np.float64)
+        current = values_at(trace, region, np.array([now]))[0]
+        lo = int(np.searchsorted(trace.times, now - self.weeks * WEEK_S, side="left"))
+        hi = int(np.searchsorted(trace.times, now, side="right"))
+        if hi - lo < 2 or now - trace.times[lo] < DAY_S:
+            return np.full(times.shape, current)
+        past_t, past_v = trace.times[lo:hi], trace.series(region)[lo:hi]
+        weekly = now - trace.times[lo] >= WEEK_S
+        slot = _hour_of_week if weekly else _hour_of_day
+        slots = 168 if weekly else 24
+        counts = np.bincount(slot(past_t), minlength=slots)
+        sums = np.bincount(slot(past_t), weights=past_v, minlength=slots)
+        profile = np.where(counts > 0, sums / np.maximum(counts, 1), float(np.mean(past_v)))
+        level = current - profile[slot(np.array([now]))[0]]
+        fade = np.exp(-np.maximum(times - now, 0.0) / self.tau_s)
+        return np.maximum(profile[slot(times)] + level * fade, 0.0)
+
+
+def _hour_of_day(t: np.ndarray) -> np.ndarray:
+    return (np.floor(t / 3600.0) % 24).astype(np.int64)
+
+
+def _hour_of_week(t: np.ndarray) -> np.ndarray:
+    """0 .. 167 from Monday 00:00 UTC (1970-01-01 was a Thursday)."""
+    return ((np.floor(t / 3600.0) + 72) % 168).astype(np.int64)
 
 
 class NoisyForecaster:
@@ -152,6 +204,7 @@ FORECASTERS: dict[str, type] = {
     "noisy": NoisyForecaster,
     "oracle": OracleForecaster,
     "persistence": PersistenceForecaster,
+    "profile": ProfileForecaster,
     "seasonal": SeasonalForecaster,
 }
 
