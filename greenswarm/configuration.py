@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -263,3 +264,22 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def dump_yaml(cfg: Any) -> str:
     """A dataclass config as YAML that :func:`load_config` reads back to an equal config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def check_number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
+    """Check that ``value`` is a finite real number above ``minimum`` (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"must be a number, got {value!r}", field=name)
+    if value < minimum or (not inclusive and value == minimum):
+        raise ConfigError(f"must be {'>=' if inclusive else '>'} {minimum:g}, got {value!r}", field=name)
+
+
+def validate_section(value: object, cls: type, name: str) -> None:
+    """Validate a nested config section (a dataclass with ``validate``) set in code or loaded, naming
+    ``name`` as the parent of whatever field inside it is wrong."""
+    if not isinstance(value, cls):
+        raise ConfigError(f"must be a mapping of {name} settings", field=name)
+    try:
+        value.validate()
+    except ConfigError as err:
+        raise err.located(name) from None

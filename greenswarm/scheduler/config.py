@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from greenswarm.configuration import check_number, validate_section
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.scheduler.forecast import FILE_PREFIX, FORECASTERS, Forecaster, forecaster_from_spec
 from greenswarm.scheduler.policy import HysteresisPolicy, PercentilePolicy, WindowPolicy
@@ -35,14 +36,6 @@ POWER_SOURCES: tuple[str, ...] = get_args(PowerSource)
 ANCHOR_TRAIN_KW = 2.024
 #: kW the anchor's sites drew while provisioned but not training (its ``curtail-llm`` policy's idle).
 ANCHOR_IDLE_KW = 0.468
-
-
-def check_number(value: object, name: str, *, minimum: float, inclusive: bool) -> None:
-    """Check that ``value`` is a finite real number above ``minimum`` (bools are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"must be a number, got {value!r}", field=name)
-    if value < minimum or (not inclusive and value == minimum):
-        raise ConfigError(f"must be {'>=' if inclusive else '>'} {minimum:g}, got {value!r}", field=name)
 
 
 def _choice(value: object, choices: tuple[str, ...] | list[str], name: str) -> None:
@@ -225,16 +218,12 @@ class SchedulerConfig(TraceSource):
         check_number(self.min_window_s, "min_window_s", minimum=0.0, inclusive=True)
         check_number(self.poll_s, "poll_s", minimum=0.0, inclusive=False)
         self._validate_rule()
-        if not isinstance(self.clock, ClockConfig):
-            raise ConfigError("must be a mapping of clock settings", field="clock")
-        try:
-            self.clock.validate()
-        except ConfigError as err:
-            raise err.located("clock") from None
+        validate_section(self.clock, ClockConfig, "clock")
         self._validate_signal()
 
     def _validate_signal(self) -> None:
         """The live signal and what a site does when it fails (see :mod:`greenswarm.scheduler.live`)."""
+        # exact, unlike _choice: the schedule compares the value as written
         if self.on_signal_loss not in ON_SIGNAL_LOSS:
             raise ConfigError(
                 f"must be one of {', '.join(ON_SIGNAL_LOSS)}, got {self.on_signal_loss!r}",
@@ -243,12 +232,7 @@ class SchedulerConfig(TraceSource):
         check_number(self.max_staleness_s, "max_staleness_s", minimum=0.0, inclusive=True)
         if self.signal is None:
             return
-        if not isinstance(self.signal, SignalConfig):
-            raise ConfigError("must be a mapping of signal settings", field="signal")
-        try:
-            self.signal.validate()
-        except ConfigError as err:
-            raise err.located("signal") from None
+        validate_section(self.signal, SignalConfig, "signal")
         if self.on_signal_loss == "forecast" and not self.signal.forecast:
             raise ConfigError(
                 "needs a signal that reads forecasts (signal.forecast: true)", field="on_signal_loss"

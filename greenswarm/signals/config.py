@@ -18,12 +18,12 @@ looks like a secret rather than a name is refused without being echoed.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError
 
 SIGNAL_KINDS: tuple[str, ...] = ("trace", "file", "electricitymaps", "watttime")
@@ -41,16 +41,6 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _PLAIN_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
 #: WattTime forecasts reach 72 h ahead
 WATTTIME_HORIZON_H = 72.0
-
-
-def _positive(value: object, name: str) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"must be a number > 0, got {value!r}", field=name)
 
 
 def _env_name(value: object, name: str) -> None:
@@ -95,7 +85,7 @@ class SignalConfig:
         if self.kind not in SIGNAL_KINDS:
             raise ConfigError(f"must be one of {', '.join(SIGNAL_KINDS)}, got {self.kind!r}", field="kind")
         for name in ("poll_s", "timeout_s", "backoff_s", "horizon_h"):
-            _positive(getattr(self, name), name)
+            check_number(getattr(self, name), name, minimum=0.0, inclusive=False)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
             raise ConfigError(f"must be an integer from 0 to 10, got {self.retries!r}", field="retries")
         if self.kind in ("trace", "file"):
