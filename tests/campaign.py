@@ -70,7 +70,7 @@ class FaultResult:
     fault: Fault
     fired: bool = False  # False: the point did not come up in time and the site was killed from outside
     fired_after_s: float | None = None  # since the site's (re)start
-    checkpoint: dict[str, str] = field(default_factory=dict)  # file -> ok | missing | damaged
+    checkpoint: dict[str, str] = field(default_factory=dict)  # file -> ok | missing | damaged | torn
     resumed_outer_round: int | None = None
     nan: bool = False
     exit_code: int | None = None  # the dead site's exit status (-9: killed at its point)
@@ -95,14 +95,21 @@ def plan_faults(n: int, seed: int, stop_share: float = 0.25) -> list[Fault]:
 
 
 def inspect_checkpoints(run_dir: Path) -> tuple[dict[str, str], int | None, bool]:
-    """Each checkpoint file's state, the outer step a restart resumes from, and whether it holds NaN."""
+    """Each checkpoint file's state, the outer step a restart resumes from, and whether it holds NaN.
+
+    A ``checkpoint.pt.tmp`` that does not verify is ``torn``, not damaged: the writer thread was
+    still writing it when the kill landed (at any point of the loop, since it writes beside
+    training), and the restart skips it by design. ``damaged`` is kept for a file that had been
+    completed (``checkpoint.pt``, ``checkpoint.prev.pt``) and no longer verifies."""
     checkpointer = Checkpointer(run_dir)
     states = {}
     for path in (checkpointer.path, checkpointer.previous, checkpointer.pending):
         if not path.exists():
             states[path.name] = "missing"
-            continue
-        states[path.name] = "ok" if checkpointer.read(path) is not None else "damaged"
+        elif checkpointer.read(path) is not None:
+            states[path.name] = "ok"
+        else:
+            states[path.name] = "torn" if path == checkpointer.pending else "damaged"
     payload = checkpointer.load()
     if payload is None:
         return states, None, False
@@ -316,6 +323,7 @@ class Campaign:
             "faults": [dict(asdict(r), fault=asdict(r.fault) | {"plan": r.fault.plan}) for r in self.results],
             "fired": sum(r.fired for r in self.results),
             "damaged_checkpoints": sum(s == "damaged" for r in self.results for s in r.checkpoint.values()),
+            "torn_writes": sum(s == "torn" for r in self.results for s in r.checkpoint.values()),
             "unrecoverable": sum(r.resumed_outer_round is None for r in self.results),
             "resumed_otherwise": sum(r.resumed_as_saved is False for r in self.results),
             "nan": sum(r.nan for r in self.results),
