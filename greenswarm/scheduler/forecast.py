@@ -110,23 +110,37 @@ class ClimatologyForecaster:
 
 
 class ProfileForecaster:
-    """The region's usual week, shifted to today's level: ``P(t) + (now - P(now)) * exp(-h / tau_s)``.
+    """The region's usual week, shifted to the recent level:
+    ``P(t) + fast * exp(-h / tau_s) + slow * exp(-h / slow_s)``.
 
     ``P`` is the mean intensity of each hour of the week (UTC hour of day x day of week) over the last
     ``weeks`` weeks up to ``now``; while fewer than seven days are known it is the mean of each hour of
-    the day, and with less than a day it is persistence. The present level fades into the profile
-    with time constant ``tau_s``: a windy afternoon says something about tonight, little about next
-    week. Uses only samples at or before ``now``.
+    the day, and with less than a day it is persistence. Two departures from ``P`` carry on into the
+    forecast: ``slow``, the mean departure over the last ``level_s`` (a windy or a still spell lasts
+    days), fading with time constant ``slow_s``; and ``fast``, the present hour's departure beyond
+    that, fading with ``tau_s`` (a windy afternoon says something about tonight, little about next
+    week). Uses only samples at or before ``now``.
+
+    On the Electricity Maps 2023 grid (``benchmarks/carbon_policies.py``) the slow level lifts the
+    10th percentile of the share of foresight's saving that the deadline policy captures on 24 h
+    jobs from 0.01 to 0.30 (100 h jobs: 0.34 to 0.36; medians 0.90 to 0.92 and 0.91).
     """
 
     name = "profile"
 
-    def __init__(self, weeks: int = 4, tau_s: float = 6 * 3600.0):
+    def __init__(
+        self,
+        weeks: int = 4,
+        tau_s: float = 6 * 3600.0,
+        slow_s: float = 24 * 3600.0,
+        level_s: float = 24 * 3600.0,
+    ):
         if isinstance(weeks, bool) or not isinstance(weeks, int) or weeks < 1:
             raise ValueError(f"weeks must be an integer >= 1, got {weeks!r}")
-        if not (math.isfinite(tau_s) and tau_s > 0):
-            raise ValueError(f"tau_s must be a finite number > 0, got {tau_s}")
-        self.weeks, self.tau_s = weeks, float(tau_s)
+        for name, value in (("tau_s", tau_s), ("slow_s", slow_s), ("level_s", level_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        self.weeks, self.tau_s, self.slow_s, self.level_s = weeks, float(tau_s), float(slow_s), float(level_s)
 
     def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
         times = np.asarray(times, dtype=np.float64)
@@ -142,9 +156,13 @@ class ProfileForecaster:
         counts = np.bincount(slot(past_t), minlength=slots)
         sums = np.bincount(slot(past_t), weights=past_v, minlength=slots)
         profile = np.where(counts > 0, sums / np.maximum(counts, 1), float(np.mean(past_v)))
-        level = current - profile[slot(np.array([now]))[0]]
-        fade = np.exp(-np.maximum(times - now, 0.0) / self.tau_s)
-        return np.maximum(profile[slot(times)] + level * fade, 0.0)
+        departure = past_v - profile[slot(past_t)]
+        recent = past_t > now - self.level_s
+        slow = float(departure[recent].mean()) if recent.any() else 0.0
+        fast = current - profile[slot(np.array([now]))[0]] - slow
+        lead = np.maximum(times - now, 0.0)
+        shift = fast * np.exp(-lead / self.tau_s) + slow * np.exp(-lead / self.slow_s)
+        return np.maximum(profile[slot(times)] + shift, 0.0)
 
 
 def _hour_of_day(t: np.ndarray) -> np.ndarray:
