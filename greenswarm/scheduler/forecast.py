@@ -49,6 +49,7 @@ class OracleForecaster:
     """Perfect foresight: the trace's own future values (an upper bound, not a real forecast)."""
 
     name = "oracle"
+    past_only = False  # the planner hands it the whole trace
 
     def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
         return values_at(trace, region, times)
@@ -184,6 +185,7 @@ class NoisyForecaster:
     """
 
     name = "noisy"
+    past_only = False
 
     def __init__(self, sigma_day: float = 0.3, seed: int = 0):
         if not (math.isfinite(sigma_day) and sigma_day >= 0):

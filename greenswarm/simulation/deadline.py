@@ -6,20 +6,22 @@ and when it is cleanest, and only as much as the work needs.
 
 * :func:`foresight_runs`: perfect foresight. Sort every (site, sample) of the trace by intensity and
   take the cleanest until the work is covered. Unattainable; the lower bound.
-* :func:`deadline_runs`: what a live swarm can do. At each decision step it knows the trace up to
-  now and a forecast of the rest (:mod:`greenswarm.scheduler.forecast`); it sets a price
-  ``tau`` so that the forecast site-time at or below ``tau`` until the deadline covers the remaining
-  work (plus a safety margin), and runs exactly the sites whose intensity *now* is below ``tau``,
-  and a site *at* ``tau`` only for the part of the step the plan needs (with an oracle forecast
-  this is :func:`foresight_runs`). If the remaining work no longer fits before the deadline, every
-  site runs.
+* :func:`deadline_runs`: what a live swarm can do, decided by the same planner as a running node
+  (:mod:`greenswarm.scheduler.deadline`). At each step it knows the trace up to now and a forecast
+  of the rest (:mod:`greenswarm.scheduler.forecast`); it sets a price ``tau`` so that the forecast
+  site-time at or below ``tau`` until the deadline covers the remaining work (plus a safety margin),
+  and runs exactly the sites whose intensity *now* is below ``tau``, and a site *at* ``tau`` only
+  for the part of the step the plan needs (with an oracle forecast this is :func:`foresight_runs`).
+  If the remaining work no longer fits before the deadline, every site runs; with less than a day
+  of history it follows the threshold.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from greenswarm.scheduler.forecast import Forecaster, values_at
+from greenswarm.scheduler.deadline import DeadlinePlanner
+from greenswarm.scheduler.forecast import DAY_S, Forecaster, values_at
 from greenswarm.simulation.engine import Segments, SiteRun
 from greenswarm.simulation.intervals import as_intervals
 from greenswarm.traces.trace import Trace
@@ -74,51 +76,24 @@ def deadline_runs(
     deadline: float,
     forecaster: Forecaster,
     train_kw: float,
-    margin: float = 0.1,
+    margin: float = 0.0,
     cap: float | None = None,
+    min_history_s: float = DAY_S,
 ) -> list[SiteRun]:
-    """Decide, at each sample of the trace, which sites train until the next one (see module doc).
-
-    ``margin`` asks the forecast for ``(1 + margin)`` x the remaining work, so that a forecast that
-    is too optimistic about later hours does not leave the swarm short at the deadline. ``cap``
-    (the window threshold) keeps the plan to hours forecast below it while those cover the work:
-    a poor forecast then degrades towards the threshold policy rather than towards dirty hours.
-    """
-    begins, ends = _cells(trace, start, deadline)
+    """Decide, at each step of the trace, which sites train until the next one: the node's own
+    :class:`~greenswarm.scheduler.deadline.DeadlinePlanner`, stepped through the trace (``cap``: the
+    window threshold; see that module for ``margin`` and ``min_history_s``)."""
+    planner = DeadlinePlanner(
+        forecaster, regions, deadline, margin=margin, threshold=cap, min_history_s=min_history_s
+    )
     chosen: list[list[tuple[float, float]]] = [[] for _ in regions]
-    left = work_s
-    for k, (t, t_end) in enumerate(zip(begins, ends, strict=True)):
-        if left <= 1e-9:
-            break
-        now = np.array([values_at(trace, r, np.array([t]))[0] for r in regions])
-        future_b, future_e = begins[k + 1 :], ends[k + 1 :]
-        forecast = [forecaster.predict(trace, r, t, future_b) for r in regions]
-        values = np.concatenate([now, *forecast])
-        durations = np.concatenate(
-            [np.full(len(regions), t_end - t), np.tile(future_e - future_b, len(regions))]
-        )
-        if cap is not None:
-            clean = values < cap
-            if durations[clean].sum() >= left * (1.0 + margin):
-                values = np.where(clean, values, np.inf)
-        order = np.argsort(values, kind="stable")
-        covered = np.cumsum(durations[order])
-        step = t_end - t
-        if left >= covered[-1] - 1e-9:  # no slack left: everyone runs
-            allow = np.full(len(regions), step)
-        else:
-            # the plan: the cells order[:m] whole and the marginal cell order[m] (intensity tau) only
-            # in part; a site whose present cell is the marginal one trains just that part now
-            need = left * (1.0 + margin)
-            m = int(np.searchsorted(covered, need - 1e-9))
-            plan = np.zeros(len(values))
-            plan[order[:m]] = durations[order[:m]]
-            plan[order[m]] = need - (covered[m - 1] if m else 0.0)
-            allow = plan[: len(regions)]
-        for s in np.argsort(now, kind="stable"):
-            take = min(allow[s], left)
-            if take <= 1e-9:
-                continue
-            chosen[s].append((t, t + take))
-            left -= take
+    left, t = work_s, start
+    while t < deadline and left > 1e-9:
+        decision = planner.decide(trace, t, left)
+        for s in np.argsort(decision.now, kind="stable"):
+            take = min(float(decision.allow_s[s]), left)
+            if take > 1e-9:
+                chosen[s].append((t, t + take))
+                left -= take
+        t = decision.end
     return _runs(regions, chosen, train_kw)

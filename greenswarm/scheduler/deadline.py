@@ -1,0 +1,124 @@
+"""The deadline plan: which sites train in the step that begins now, so that the work is done by the
+deadline in the cleanest site-hours a forecast can see.
+
+One decision, used both by a running node (:class:`~greenswarm.scheduler.deadline_schedule.DeadlineSchedule`)
+and by ``greenswarm simulate --policy deadline`` (:func:`~greenswarm.simulation.deadline.deadline_runs`),
+so that the simulator models what the node does. At every step of the signal's grid (receding
+horizon: the plan is made again at each step, with the latest samples and the work still left):
+
+* the forecaster is handed the trace *cut at now* (a forecaster that needs the future -- the oracle,
+  the noisy oracle -- says so with ``past_only = False`` and is the only one that gets more);
+* every (site, step) until the deadline gets a value: the present one for the step that begins now,
+  the forecast for the rest;
+* the plan takes the cleanest of them until they cover ``(1 + margin)`` x the work left: its last
+  value is the *price*. A site trains now if its present value is below the price (and, when it is
+  the marginal one, for the part of the step the plan needs);
+* ``threshold`` caps the plan: while the steps forecast below it cover the work, none above it is
+  chosen, so a poor forecast degrades towards the threshold policy rather than towards dirty hours;
+* with less than ``min_history_s`` of samples behind now (a past-only forecast has nothing to go
+  on: the anchor's 18 h trace) the plan *is* the threshold policy: a site trains while its value is below
+  ``threshold``;
+* whenever the work left no longer fits before the deadline, every site trains: the deadline is
+  never missed for want of trying.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from greenswarm.scheduler.forecast import DAY_S, Forecaster, values_at
+from greenswarm.traces.trace import Trace
+
+#: why a site trains or waits in a step, as the node logs it and the simulator counts it
+PLAN, FORCED, FALLBACK, DONE = "plan", "forced", "threshold-fallback", "done"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the plan says for the step ``[begin, end)``."""
+
+    begin: float
+    end: float
+    allow_s: np.ndarray  # per site: seconds of this step to train (0 .. end - begin)
+    now: np.ndarray  # per site: the value in force now (gCO2/kWh)
+    price: float  # the plan's marginal value: a site trains now below it (inf when forced)
+    reason: str  # PLAN, FORCED, FALLBACK or DONE
+    next_start: list[float | None]  # per site: the first later step the plan chooses (None: none)
+    left_s: float  # site-seconds of work left when the decision was made
+
+    def trains(self, site: int = 0) -> bool:
+        return bool(self.allow_s[site] > 1e-9)
+
+
+def known_until(trace: Trace, now: float) -> Trace:
+    """``trace`` with only the samples at or before ``now``: all that a decision at ``now`` may read."""
+    k = max(int(np.searchsorted(trace.times, now, side="right")), 1)
+    if k == len(trace.times):
+        return trace
+    values = {r: v[:k] for r, v in trace.values.items()}
+    return Trace(trace.times[:k], values, trace.resolution_s, trace.source)
+
+
+class DeadlinePlanner:
+    """Plans ``regions`` (one site each) to finish their work by ``deadline`` (see module doc)."""
+
+    def __init__(
+        self,
+        forecaster: Forecaster,
+        regions: list[str],
+        deadline: float,
+        *,
+        margin: float = 0.0,
+        threshold: float | None = None,
+        min_history_s: float = DAY_S,
+    ):
+        self.forecaster, self.regions, self.deadline = forecaster, list(regions), float(deadline)
+        self.margin, self.threshold, self.min_history_s = float(margin), threshold, float(min_history_s)
+
+    def step(self, trace: Trace, now: float) -> tuple[float, float]:
+        """The step of the signal's grid that holds ``now``: ``[now, next sample)``, clipped to the
+        deadline (past the trace's last sample the grid goes on at its resolution)."""
+        res = trace.resolution_s
+        i = int(np.searchsorted(trace.times, now, side="right")) - 1
+        base = float(trace.times[i]) if i >= 0 else float(trace.times[0])
+        end = base + res * (math.floor((now - base) / res) + 1)
+        return now, min(end, self.deadline)
+
+    def decide(self, trace: Trace, now: float, left_s: float) -> Decision:
+        """The decision for the step that begins at ``now`` with ``left_s`` site-seconds of work left."""
+        begin, end = self.step(trace, now)
+        n = len(self.regions)
+        past_only = getattr(self.forecaster, "past_only", True)
+        known = known_until(trace, now) if past_only else trace
+        present = np.array([values_at(known, r, np.array([now]))[0] for r in self.regions])
+        if left_s <= 1e-9 or end <= begin:
+            return Decision(begin, end, np.zeros(n), present, math.inf, DONE, [None] * n, max(left_s, 0.0))
+        step = end - begin
+        future_b = np.arange(end, self.deadline, trace.resolution_s, dtype=np.float64)
+        future_e = np.minimum(future_b + trace.resolution_s, self.deadline)
+        capacity = n * (step + float((future_e - future_b).sum()))
+        if left_s >= capacity - 1e-9:  # no slack left: everyone trains
+            return Decision(begin, end, np.full(n, step), present, math.inf, FORCED, [None] * n, left_s)
+        if past_only and now - known.start < self.min_history_s and self.threshold is not None:
+            allow = np.where(present < self.threshold, step, 0.0)
+            return Decision(begin, end, allow, present, self.threshold, FALLBACK, [None] * n, left_s)
+        forecast = [self.forecaster.predict(known, r, now, future_b) for r in self.regions]
+        values = np.concatenate([present, *forecast])
+        durations = np.concatenate([np.full(n, step), np.tile(future_e - future_b, n)])
+        need = left_s * (1.0 + self.margin)
+        if self.threshold is not None:
+            clean = values < self.threshold
+            if durations[clean].sum() >= need:
+                values = np.where(clean, values, np.inf)
+        order = np.argsort(values, kind="stable")
+        covered = np.cumsum(durations[order])
+        m = min(int(np.searchsorted(covered, need - 1e-9)), len(order) - 1)
+        plan = np.zeros(len(values))
+        plan[order[:m]] = durations[order[:m]]
+        plan[order[m]] = min(durations[order[m]], need - (covered[m - 1] if m else 0.0))
+        chosen = plan[n:].reshape(n, -1) > 1e-9
+        nxt = [float(future_b[np.argmax(c)]) if c.any() else None for c in chosen]
+        return Decision(begin, end, plan[:n], present, float(values[order[m]]), PLAN, nxt, left_s)
