@@ -46,6 +46,7 @@ class ProgressRecord:
     version: int = RECORD_VERSION
     wire: str | None = None  # wire format of the last averaged round (auto picks one per round)
     refused: int = 0  # groupmates' updates this site refused so far (NaN/Inf, norm far outside the group's)
+    next_start: float | None = None  # policy: deadline: clock time the plan next trains (None: no plan)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -30,6 +30,7 @@ class RecordModel(pyd.BaseModel):
     version: pyd.StrictInt
     wire: Optional[pyd.StrictStr] = None  # noqa: UP045  (the last averaged round's wire format)
     refused: pyd.conint(strict=True, ge=0) = 0  # type: ignore[valid-type]  (updates refused so far)
+    next_start: Optional[pyd.StrictFloat] = None  # noqa: UP045  (the deadline plan's next start)
 
     class Config:
         extra = pyd.Extra.forbid

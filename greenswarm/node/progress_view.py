@@ -18,6 +18,7 @@ STATE_STYLE = {"IDLE": "dim", "SOLO": "yellow", "FEDERATED": "bold green"}
 def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
     table = Table(title=title or None, header_style="bold")
     refusals = any(r.refused for r in records)  # a column only when some site refused an update
+    plans = any(r.next_start is not None for r in records)  # ... or follows a deadline plan
     for col, justify in [
         ("site", "left"),
         ("region", "left"),
@@ -28,6 +29,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
         ("loss", "right"),
         ("wire", "left"),
         ("window end", "left"),
+        *([("next start", "left")] if plans else []),
         ("energy kWh", "right"),
         ("CO2 g", "right"),
         ("clock", "left"),
@@ -47,6 +49,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
             "-" if r.loss is None else f"{r.loss:.3f}",
             r.wire or "-",
             utc_short(r.window_end),
+            *([utc_short(r.next_start)] if plans else []),
             f"{r.energy_kwh:.2f}",
             f"{r.emissions_g:,.0f}",
             utc_short(r.clock_time),

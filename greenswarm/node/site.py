@@ -41,9 +41,11 @@ from greenswarm.node.state_sync import StateSync
 from greenswarm.node.telemetry import StatusLine, log_transition, progress_record, summary, write_summary
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import WAITING_FOR_START
+from greenswarm.scheduler.deadline_schedule import DeadlineSchedule
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
-from greenswarm.scheduler.live import LiveSchedule, site_schedule
+from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import WindowSchedule
+from greenswarm.scheduler.site_schedule import site_schedule
 from greenswarm.scheduler.state import SiteState, decide_state
 from greenswarm.timefmt import parse_instant, utc_minute
 
@@ -92,6 +94,8 @@ class SiteNode:
         self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
+        if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
+            self.schedule.bind(self._work_done)
 
     # ------------------------------------------------------------------ public
 
@@ -127,6 +131,9 @@ class SiteNode:
                 self.log.info("node.stop_at %s reached: stopping", utc_minute(self.stop_at))
                 break
             state = self._update_state(now)
+            if isinstance(self.schedule, DeadlineSchedule) and self.schedule.finished():
+                self.log.info("the deadline plan's work is done: stopping")
+                break
             if state is IDLE:
                 self._sleep_until_window(now)
             else:
@@ -317,6 +324,11 @@ class SiteNode:
         self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
         self.ranks.idle()  # keeps follower ranks' collectives from timing out during long idles
 
+    def _work_done(self) -> tuple[float, int]:
+        """Clock seconds this site has trained (its ledger's, restored with a checkpoint) and its tokens."""
+        trained = self.ledger.seconds[SOLO.value] + self.ledger.seconds[FEDERATED.value]
+        return trained, self.stats.tokens
+
     def _slot_of(self, t: float) -> int:
         return int(t // self.cfg.averaging.sync_interval_s)
 
@@ -338,7 +350,7 @@ class SiteNode:
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
 
     def _close(self) -> None:
-        if isinstance(self.schedule, LiveSchedule):
+        if isinstance(self.schedule, LiveSchedule | DeadlineSchedule):
             self.schedule.close()
         if self.checkpoints is not None:
             self.checkpoints.close()

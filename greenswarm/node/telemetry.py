@@ -63,6 +63,7 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         world_size=node.world.world_size,
         wire=node.federation.wire if node.federation is not None and node.federation.wire else None,
         refused=stats.counts["refused_updates"],
+        next_start=getattr(node.schedule, "next_start", None),
     )
 
 
@@ -110,6 +111,8 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "world_size": node.world.world_size,
         # a live signal: its source (never a secret), polls, outages and the windows it gave
         "signal": node.schedule.describe() if hasattr(node.schedule, "describe") else None,
+        # policy: deadline: the work, what the plan decided and why, whether it met the deadline
+        "deadline": node.schedule.plan() if hasattr(node.schedule, "plan") else None,
     }
 
 

@@ -33,6 +33,11 @@ POWER_SOURCES: tuple[str, ...] = get_args(PowerSource)
 
 #: kW a site draws while training unless its config says otherwise: the curtail-llm anchor's
 #: figure, which its paper's kWh and kg and every greenswarm comparison with it use.
+#: ``scheduler.policy``: a window rule, or a plan to finish the work by a deadline
+POLICIES = ("threshold", "deadline")
+#: forecasters a running site can use (the rest read the trace's future)
+PAST_ONLY = ("profile", "climatology", "seasonal", "persistence")
+
 ANCHOR_TRAIN_KW = 2.024
 #: kW the anchor's sites drew while provisioned but not training (its ``curtail-llm`` policy's idle).
 ANCHOR_IDLE_KW = 0.468
@@ -197,6 +202,12 @@ class SchedulerConfig(TraceSource):
     its windows as samples arrive (:mod:`greenswarm.scheduler.live`). When the signal stops,
     ``on_signal_loss`` says what happens: ``pause`` training, ``hold-last`` value or follow the last
     ``forecast``, for at most ``max_staleness_s`` past the last sample's interval, then pause.
+
+    ``policy: deadline`` replaces the window rule by a plan (:mod:`greenswarm.scheduler.deadline`):
+    finish ``work_hours`` site-hours, or ``work_tokens`` tokens, by ``deadline`` (an ISO 8601 instant)
+    in the cleanest hours that ``forecast`` (a past-only forecaster: profile, climatology, seasonal,
+    persistence, or ``file:PATH`` of issued forecasts) sees, planning ``(1 + margin)`` x the work
+    left; ``threshold`` caps the plan and is the rule while there is under a day of history.
     """
 
     threshold: float = 100.0
@@ -211,6 +222,12 @@ class SchedulerConfig(TraceSource):
     signal: SignalConfig | None = None
     on_signal_loss: str = "hold-last"
     max_staleness_s: float = 3600.0
+    policy: str = "threshold"
+    deadline: str | None = None
+    work_hours: float | None = None
+    work_tokens: int | None = None
+    forecast: str = "profile"
+    margin: float = 0.0
 
     def validate(self) -> None:
         super().validate()
@@ -220,6 +237,68 @@ class SchedulerConfig(TraceSource):
         self._validate_rule()
         validate_section(self.clock, ClockConfig, "clock")
         self._validate_signal()
+        self._validate_deadline()
+
+    def _validate_deadline(self) -> None:
+        """``policy: deadline``: an instant, exactly one kind of work, a forecaster that needs no future."""
+        if self.policy not in POLICIES:
+            raise ConfigError(f"must be one of {', '.join(POLICIES)}, got {self.policy!r}", field="policy")
+        deadline_fields = ("deadline", "work_hours", "work_tokens")
+        if self.policy != "deadline":
+            for name in deadline_fields:
+                if getattr(self, name) is not None:
+                    raise ConfigError("needs policy: deadline", field=name)
+            return
+        if self.deadline is None:
+            raise ConfigError("policy: deadline needs the instant to finish by", field="deadline")
+        try:
+            parse_instant(self.deadline)
+        except ConfigError as err:
+            raise ConfigError(str(err), field="deadline") from None
+        if (self.work_hours is None) == (self.work_tokens is None):
+            raise ConfigError(
+                "policy: deadline needs exactly one of work_hours (site-hours) and work_tokens",
+                field="work_hours",
+            )
+        if self.work_hours is not None:
+            check_number(self.work_hours, "work_hours", minimum=0.0, inclusive=False)
+        if self.work_tokens is not None and (
+            isinstance(self.work_tokens, bool)
+            or not isinstance(self.work_tokens, int)
+            or self.work_tokens < 1
+        ):
+            raise ConfigError(
+                f"must be a whole number of tokens >= 1, got {self.work_tokens!r}", field="work_tokens"
+            )
+        check_number(self.margin, "margin", minimum=0.0, inclusive=True)
+        forecaster = self.deadline_forecaster()
+        if not getattr(forecaster, "past_only", True):
+            raise ConfigError(
+                f"{self.forecast} reads the future, which a running site does not have; "
+                f"use one of {', '.join(PAST_ONLY)} or file:PATH",
+                field="forecast",
+            )
+        for name, default in (
+            ("lookahead", None),
+            ("percentile", None),
+            ("leave_above", None),
+            ("dwell_s", 0.0),
+        ):
+            if getattr(self, name) != default:
+                raise ConfigError("is a window rule; policy: deadline plans instead", field=name)
+        if self.min_window_s:
+            raise ConfigError("is a window rule; policy: deadline plans instead", field="min_window_s")
+
+    def deadline_forecaster(self) -> Forecaster:
+        """The forecaster the deadline plan uses: by name, or forecasts as issued in a file."""
+        spec = str(self.forecast).strip()
+        if spec.startswith(FILE_PREFIX):
+            try:
+                return forecaster_from_spec(spec, tz=self.timezone, units=self.units)
+            except GreenswarmError as err:
+                raise ConfigError(str(err), field="scheduler.forecast") from None
+        _choice(spec.lower(), list(FORECASTERS), "forecast")
+        return forecaster_from_spec(spec.lower())
 
     def _validate_signal(self) -> None:
         """The live signal and what a site does when it fails (see :mod:`greenswarm.scheduler.live`)."""

@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from greenswarm.scheduler.clock import Clock, make_clock
-from greenswarm.scheduler.policy import Window, WindowPolicy, WindowSchedule
+from greenswarm.scheduler.policy import Window, WindowPolicy
 from greenswarm.signals.feed import LiveFeed, Observed
-from greenswarm.signals.sources import SignalSource, make_source
 from greenswarm.timefmt import utc_minute
 from greenswarm.traces.trace import Trace
 
 if TYPE_CHECKING:
-    from greenswarm.scheduler.config import SchedulerConfig
+    pass
 
 FRESH, STALE, LOST = "fresh", "stale", "lost"
 
@@ -202,40 +199,3 @@ class LiveSchedule:
 
     def close(self) -> None:
         self.feed.stop()
-
-
-Schedule = WindowSchedule | LiveSchedule
-
-
-def site_schedule(
-    cfg: SchedulerConfig, region: str, load: Callable[[str], Trace], log: logging.Logger, *, poll: bool = True
-) -> tuple[Schedule, Clock]:
-    """A site's schedule and clock. Without ``cfg.signal``: the trace's windows, computed up front.
-    With one: a live feed polled on its own thread (started here unless ``poll`` is False: a site's
-    other ranks follow rank 0 and never ask the API themselves), and windows as it delivers."""
-    if cfg.signal is None:
-        trace = load(cfg.trace)
-        return WindowSchedule(trace, region, cfg.window_policy()), make_clock(cfg.clock, trace.start)
-    source: SignalSource = make_source(cfg.signal, cfg.trace, region, load, cfg.variant)
-    start = source.history(-math.inf, math.inf).start if cfg.signal.kind in ("trace", "file") else math.nan
-    clock = make_clock(cfg.clock, start)
-    feed = LiveFeed(
-        source,
-        clock.now,
-        cfg.signal.poll_s,
-        log,
-        wall_s=clock.wall_seconds,
-        on_loss=loss_phrase(cfg.on_signal_loss, cfg.max_staleness_s),
-    )
-    schedule = LiveSchedule(
-        feed,
-        region,
-        cfg.window_policy(),
-        on_loss=cfg.on_signal_loss,
-        max_staleness_s=cfg.max_staleness_s,
-        grace_s=cfg.signal.poll_s,
-        log=log,
-    )
-    if poll:
-        feed.start()
-    return schedule, clock

@@ -1,0 +1,208 @@
+"""A running site that trains in the hours its deadline plan chooses (``scheduler.policy: deadline``).
+
+:class:`DeadlineSchedule` answers the node's lookups (``current``, ``in_window``, ``next_window``,
+``end``, ``trace``) from a :class:`~greenswarm.scheduler.deadline.DeadlinePlanner` instead of a window
+rule. At each step of the signal's grid (an hour of an hourly trace) it plans again -- receding
+horizon -- with the samples known so far and the work still left: site-hours the site has trained,
+or tokens left divided by the throughput measured so far. A step the plan chooses is a "window" from
+the step's start for as long as the plan needs; so the node's loop, its energy ledger and its
+progress record work unchanged. Each decision that changes what the site does is logged with why
+(the value now against the plan's price, the work left, the time to the deadline), and the plan's
+next start is published in the site's progress record.
+
+The signal is either a static trace (the planner cuts it at now: no decision reads a later sample)
+or a live one (:class:`~greenswarm.scheduler.live.LiveSchedule`'s observed samples, extended as its
+``on_signal_loss`` says; past that the site trains only when the deadline forces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from greenswarm.scheduler.deadline import DONE, FALLBACK, FORCED, DeadlinePlanner, Decision
+from greenswarm.scheduler.live import LiveSchedule
+from greenswarm.scheduler.policy import Window
+from greenswarm.timefmt import utc_minute
+from greenswarm.traces.trace import Trace
+
+HOUR_S = 3600.0
+MEASURING, SIGNAL_LOST = "measuring-throughput", "signal-lost"
+
+
+@dataclass(frozen=True)
+class Work:
+    """The work a site must finish by the deadline: site-hours of training, or tokens."""
+
+    hours: float | None = None
+    tokens: int | None = None
+
+    def left_s(self, trained_s: float, tokens: int) -> float | None:
+        """Site-seconds still to train; None while tokens are the target and no rate is measured yet."""
+        if self.hours is not None:
+            return max(self.hours * HOUR_S - trained_s, 0.0)
+        assert self.tokens is not None
+        if tokens >= self.tokens:
+            return 0.0
+        if trained_s <= 0 or tokens <= 0:
+            return None
+        return (self.tokens - tokens) * trained_s / tokens
+
+    def describe(self) -> str:
+        return f"{self.hours:g} site-hours" if self.hours is not None else f"{self.tokens:,} tokens"
+
+
+#: (clock seconds trained so far, tokens trained so far): the node's own counts
+Progress = Callable[[], tuple[float, int]]
+
+
+class DeadlineSchedule:
+    """The lookups of a window schedule, answered by a deadline plan (see module doc)."""
+
+    def __init__(
+        self,
+        base: Trace | LiveSchedule,
+        region: str,
+        planner: DeadlinePlanner,
+        work: Work,
+        log: logging.Logger,
+    ):
+        self.base, self.region, self.planner, self.work, self.log = base, region, planner, work, log
+        self.end = base.end
+        self.progress: Progress = lambda: (0.0, 0)
+        self.decision: Decision | None = None
+        self._trained_at_decision = 0.0
+        self._said: tuple[str, bool] | None = None
+        self.decisions = 0
+        self.reasons: dict[str, int] = {}
+        self.finished_at: float | None = None
+        self._measuring = False
+
+    def bind(self, progress: Progress) -> None:
+        """Where the schedule reads the site's progress (the node binds its ledger and counters)."""
+        self.progress = progress
+
+    # ------------------------------------------------------------------ the node's lookups
+
+    @property
+    def trace(self) -> Trace | None:
+        """The signal as known so far (what the ledger books against)."""
+        return self.base if isinstance(self.base, Trace) else self.base.trace
+
+    def current(self, t: float) -> Window | None:
+        trained, tokens = self.progress()
+        if self.finished_at is None and self.work.left_s(trained, tokens) == 0.0:
+            self.finished_at = t
+            self.log.info("deadline plan: work done (%s) at %s", self.work.describe(), utc_minute(t))
+        if self.finished_at is not None:
+            return None
+        decision = self._decide(t, trained, tokens)
+        if decision is None or not decision.trains():
+            return None
+        share = min(float(decision.allow_s[0]), decision.left_s)  # this step's part of the plan
+        done = trained - self._trained_at_decision
+        if done >= share - 1e-6:
+            return None
+        if share >= decision.end - decision.begin - 1e-6:
+            return Window(decision.begin, decision.end)
+        return Window(decision.begin, t + share - done)
+
+    def in_window(self, t: float) -> bool:
+        return self.current(t) is not None
+
+    def next_window(self, t: float) -> Window | None:
+        """The next plan is made at the next step: the site polls (``scheduler.poll_s``) until then."""
+        return None
+
+    @property
+    def next_start(self) -> float | None:
+        """When the plan now in force next chooses to train (None: not planned, or done)."""
+        d = self.decision
+        if d is None or d.reason == DONE:
+            return None
+        return d.begin if d.trains() else d.next_start[0]
+
+    def finished(self) -> bool:
+        """The work is done (the node stops; a site with nothing left to train draws nothing)."""
+        return self.finished_at is not None
+
+    # ------------------------------------------------------------------ deciding
+
+    def _decide(self, t: float, trained: float, tokens: int) -> Decision | None:
+        left = self.work.left_s(trained, tokens)
+        d = self.decision
+        measured = not (self._measuring and left is not None)  # a first rate replans at once
+        if d is not None and d.begin <= t < d.end and measured:
+            return d
+        trace = self.trace
+        if isinstance(self.base, LiveSchedule):
+            self.base.refresh(t)
+            trace = self.base.trace
+        if trace is None:
+            return None
+        self._measuring = left is None
+        if left is None:  # tokens to do and no rate yet: train (a step) to measure it
+            decision = self.planner.decide(trace, t, math.inf)
+            decision = replace(decision, allow_s=decision.allow_s * 0.0 + (decision.end - decision.begin))
+            decision = replace(decision, reason=MEASURING)
+        else:
+            decision = self.planner.decide(trace, t, left)
+        if isinstance(self.base, LiveSchedule) and t >= self.base.usable_until and decision.reason != FORCED:
+            decision = replace(decision, allow_s=decision.allow_s * 0.0, reason=SIGNAL_LOST)
+        self.decision, self._trained_at_decision = decision, trained
+        self.decisions += 1
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        self._say(decision, t)
+        return decision
+
+    def _say(self, d: Decision, t: float) -> None:
+        """One line when what the site does, or why, changes."""
+        key = (d.reason, d.trains())
+        if key == self._said:
+            return
+        self._said = key
+        value = f"{d.now[0]:.0f} g now"
+        if d.reason == MEASURING:
+            why = f"training to measure the throughput ({self.work.describe()} to do)"
+        elif d.reason == FORCED:
+            why = "training: the work left no longer fits before the deadline otherwise"
+        elif d.reason == FALLBACK:
+            what = "training" if d.trains() else "waiting"
+            why = f"{what} by the threshold ({value} vs {d.price:.0f} g): under a day of history to plan on"
+        elif d.reason == SIGNAL_LOST:
+            why = "waiting: the signal is lost"
+        elif d.trains():
+            why = f"training: {value}, below the plan's price {d.price:.0f} g"
+        else:
+            nxt = utc_minute(d.next_start[0]) if d.next_start[0] is not None else "-"
+            why = f"waiting: {value}, above the plan's price {d.price:.0f} g; next planned start {nxt}"
+        left = f"{d.left_s / HOUR_S:,.1f} site-h left" if math.isfinite(d.left_s) else "rate unknown"
+        to_go = (self.planner.deadline - t) / HOUR_S
+        self.log.info("deadline plan at %s: %s (%s, %.1f h to the deadline)", utc_minute(t), why, left, to_go)
+
+    def describe(self) -> dict | None:
+        """The live signal's part of the site's summary (None over a static trace)."""
+        return self.base.describe() if isinstance(self.base, LiveSchedule) else None
+
+    def plan(self) -> dict:
+        """The plan's part of the site's summary."""
+        trained, tokens = self.progress()
+        out: dict = {
+            "policy": "deadline",
+            "deadline": self.planner.deadline,
+            "work": {"hours": self.work.hours, "tokens": self.work.tokens},
+            "forecaster": getattr(self.planner.forecaster, "name", type(self.planner.forecaster).__name__),
+            "trained_site_hours": trained / HOUR_S,
+            "tokens": tokens,
+            "finished_at": self.finished_at,
+            "met_deadline": self.finished_at is not None and self.finished_at <= self.planner.deadline,
+            "decisions": self.decisions,
+            "reasons": dict(self.reasons),
+        }
+        return out
+
+    def close(self) -> None:
+        if isinstance(self.base, LiveSchedule):
+            self.base.close()

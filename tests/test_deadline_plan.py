@@ -1,0 +1,225 @@
+"""The deadline plan (``scheduler.policy: deadline``): one planner for the node and the simulator,
+decisions that read nothing after now, the threshold while there is no history, and a schedule that
+the node's loop follows to the same emissions the simulator books."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from greenswarm.errors import ConfigError
+from greenswarm.node.progress import ProgressRecord
+from greenswarm.node.progress_view import progress_table
+from greenswarm.scheduler.config import SchedulerConfig
+from greenswarm.scheduler.deadline import FALLBACK, FORCED, PLAN, DeadlinePlanner, known_until
+from greenswarm.scheduler.deadline_schedule import DeadlineSchedule, Work
+from greenswarm.scheduler.forecast import DAY_S, ProfileForecaster, make_forecaster
+from greenswarm.simulation.deadline import deadline_runs
+from greenswarm.simulation.engine import account
+from greenswarm.traces.trace import Trace
+
+pytestmark = pytest.mark.deadline
+
+HOUR = 3600.0
+T0 = 1_700_000_000.0 - (1_700_000_000.0 % DAY_S)  # a midnight, UTC
+
+
+def _trace(days: int, seed: int = 0, regions: tuple[str, ...] = ("A",)) -> Trace:
+    """Hourly intensity with a solar dip at noon, a weekly swing and noise (never negative)."""
+    rng = np.random.default_rng(seed)
+    t = T0 + HOUR * np.arange(days * 24)
+    hour = (t % DAY_S) / HOUR
+    values = {}
+    for k, r in enumerate(regions):
+        solar = 150 * np.clip(np.cos((hour - 12) / 24 * 2 * np.pi), 0, None)
+        weekly = 60 * np.sin(2 * np.pi * t / (7 * DAY_S) + k)
+        values[r] = np.clip(300 + 40 * k - solar + weekly + rng.normal(0, 25, t.size), 5, None)
+    return Trace(t, values, HOUR, "synthetic")
+
+
+class Peeking:
+    """A forecaster that notes the newest sample it was handed (what a decision could have read)."""
+
+    name = "peeking"
+
+    def __init__(self) -> None:
+        self.inner = ProfileForecaster()
+        self.overreach = 0.0
+
+    def predict(self, trace: Trace, region: str, now: float, times: np.ndarray) -> np.ndarray:
+        self.overreach = max(self.overreach, float(trace.times[-1]) - now)
+        return self.inner.predict(trace, region, now, times)
+
+
+def test_no_decision_reads_the_trace_after_now() -> None:
+    trace = _trace(30)
+    start = T0 + 20 * DAY_S
+    peek = Peeking()
+    runs = deadline_runs(trace, ["A"], 30 * HOUR, start, start + 96 * HOUR, peek, 1.0, cap=None)
+    assert peek.overreach <= 0.0
+    # handed the whole trace, the forecaster decides the same: a trace cut at now changes nothing
+    whole = ProfileForecaster()
+    whole.past_only = False  # type: ignore[attr-defined]  (the planner then hands it everything)
+    full = deadline_runs(trace, ["A"], 30 * HOUR, start, start + 96 * HOUR, whole, 1.0, cap=None)
+    np.testing.assert_array_equal(runs[0].segments[0].intervals, full[0].segments[0].intervals)
+
+
+def test_known_until_cuts_at_now() -> None:
+    trace = _trace(3)
+    cut = known_until(trace, T0 + 5.5 * HOUR)
+    assert cut.times[-1] == T0 + 5 * HOUR and len(cut.times) == 6
+    assert known_until(trace, trace.times[-1] + 10) is trace
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_work_is_always_done_by_the_deadline(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    trace = _trace(40, seed, regions=("A", "B"))
+    start = T0 + DAY_S * float(rng.integers(0, 30))
+    span = float(rng.integers(6, 150)) * HOUR
+    work = float(rng.uniform(0.05, 1.0)) * 2 * span  # up to every site-hour there is
+    for name in ("persistence", "profile", "climatology", "seasonal"):
+        runs = deadline_runs(
+            trace, ["A", "B"], work, start, start + span, make_forecaster(name), 1.0, cap=200
+        )
+        done = sum(b - a for r in runs for s in r.segments for a, b in s.intervals)
+        assert done == pytest.approx(work, rel=1e-9), name
+        assert max(b for r in runs for s in r.segments for _, b in s.intervals) <= start + span + 1e-6
+
+
+def test_under_a_day_of_history_the_plan_is_the_threshold() -> None:
+    trace = _trace(2)
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], T0 + 40 * HOUR, threshold=250.0)
+    for h in range(0, 20):
+        d = planner.decide(trace, T0 + h * HOUR, 10 * HOUR)
+        assert d.reason == FALLBACK
+        assert d.trains() == (trace.series("A")[h] < 250.0)
+    assert planner.decide(trace, T0 + 25 * HOUR, 5 * HOUR).reason == PLAN
+    assert planner.decide(trace, T0 + 36 * HOUR, 5 * HOUR).reason == FORCED  # 4 h left, 5 h to do
+
+
+def test_the_next_start_is_the_first_planned_step() -> None:
+    trace = _trace(10)
+    now = T0 + 8 * DAY_S + 18 * HOUR  # evening: dirty; the plan waits for tomorrow's noon
+    d = DeadlinePlanner(ProfileForecaster(), ["A"], now + 30 * HOUR).decide(trace, now, 3 * HOUR)
+    assert not d.trains() and d.next_start[0] is not None
+    assert 9 <= (d.next_start[0] % DAY_S) / HOUR <= 15
+
+
+class FakeProgress:
+    def __init__(self, tokens_per_s: float = 0.0) -> None:
+        self.trained, self.rate = 0.0, tokens_per_s
+
+    def __call__(self) -> tuple[float, int]:
+        return self.trained, int(self.trained * self.rate)
+
+
+def _follow(schedule: DeadlineSchedule, progress: FakeProgress, start: float, stop: float, dt: float) -> list:
+    """The node's loop in miniature: ask, then train (or not) for ``dt`` of clock time."""
+    trained = []
+    t = start
+    while t < stop and not schedule.finished():
+        window = schedule.current(t)
+        step = min(dt, stop - t)
+        if window is not None:
+            step = min(step, window.end - t)
+            trained.append((t, t + step))
+            progress.trained += step
+        t += step
+    schedule.current(t)
+    return trained
+
+
+def test_the_schedule_trains_what_the_simulator_books(caplog: pytest.LogCaptureFixture) -> None:
+    trace = _trace(30)
+    start, deadline, work = T0 + 21 * DAY_S + 7 * HOUR, T0 + 21 * DAY_S + 79 * HOUR, 20 * HOUR
+    sim = deadline_runs(trace, ["A"], work, start, deadline, ProfileForecaster(), 1.0, cap=250.0)
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], deadline, threshold=250.0)
+    schedule = DeadlineSchedule(trace, "A", planner, Work(hours=20.0), logging.getLogger("test.deadline"))
+    progress = FakeProgress()
+    schedule.bind(progress)
+    with caplog.at_level(logging.INFO, logger="test.deadline"):
+        node = _follow(schedule, progress, start, deadline, 60.0)
+    assert schedule.finished() and progress.trained == pytest.approx(work)
+    booked = account(sim, trace, 250.0)[0].emissions_g
+    followed = sum(trace.integral("A", a, b) for a, b in node) / 3600.0
+    assert followed == pytest.approx(booked, rel=1e-6)
+    said = caplog.text
+    assert "deadline plan at" in said and "below the plan's price" in said and "work done" in said
+    assert schedule.plan()["met_deadline"] and schedule.plan()["reasons"][PLAN] >= 1
+
+
+def test_a_token_target_measures_the_rate_then_plans() -> None:
+    trace = _trace(30)
+    start = T0 + 21 * DAY_S + 20 * HOUR  # a dirty hour: the plan would wait
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], start + 48 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(trace, "A", planner, Work(tokens=36_000), logging.getLogger("test.tokens"))
+    progress = FakeProgress(tokens_per_s=1.0)  # 36,000 tokens = 10 site-hours
+    schedule.bind(progress)
+    assert schedule.in_window(start)  # no rate yet: it trains to measure one
+    progress.trained = 60.0
+    decision = schedule.decision
+    schedule.in_window(start + 60.0)  # a rate: the plan is made again at once
+    assert schedule.decision is not decision and schedule.decision.left_s == pytest.approx(10 * HOUR - 60)
+    _follow(schedule, progress, start + 60.0, start + 48 * HOUR, 60.0)
+    assert schedule.finished() and progress()[1] >= 36_000
+
+
+def test_a_plan_shows_its_next_start_in_the_progress_table() -> None:
+    base = dict(site="s", region="A", state="IDLE", peer_id="p", outer_round=0, lineage="x", round_index=-1,
+                local_steps=0, tokens=0, loss=None, window_end=None, energy_kwh=0.0, emissions_g=0.0,
+                clock_time=T0, wall_time=T0)  # fmt: skip
+    plain = progress_table([ProgressRecord(**base)])
+    assert "next start" not in [c.header for c in plain.columns]
+    planned = progress_table([ProgressRecord(**base, next_start=T0 + 3600.0)])
+    assert "next start" in [c.header for c in planned.columns]
+    assert ProgressRecord.from_wire(ProgressRecord(**base, next_start=1.0).to_wire()).next_start == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "culprit"),
+    [
+        ({"policy": "deadline", "work_hours": 3.0}, "deadline"),
+        ({"policy": "deadline", "deadline": "2023-06-08T00:00:00"}, "deadline"),
+        ({"policy": "deadline", "deadline": "2023-06-08T00:00:00Z"}, "work_hours"),
+        (
+            {"policy": "deadline", "deadline": "2023-06-08T00:00:00Z", "work_hours": 3, "work_tokens": 9},
+            "work_hours",
+        ),
+        ({"policy": "deadline", "deadline": "2023-06-08T00:00:00Z", "work_tokens": 0}, "work_tokens"),
+        (
+            {"policy": "deadline", "deadline": "2023-06-08T00:00:00Z", "work_hours": 3, "forecast": "oracle"},
+            "forecast",
+        ),
+        (
+            {
+                "policy": "deadline",
+                "deadline": "2023-06-08T00:00:00Z",
+                "work_hours": 3,
+                "forecast": "crystal",
+            },
+            "forecast",
+        ),
+        (
+            {"policy": "deadline", "deadline": "2023-06-08T00:00:00Z", "work_hours": 3, "dwell_s": 600},
+            "dwell_s",
+        ),
+        ({"policy": "deadline", "deadline": "2023-06-08T00:00:00Z", "work_hours": 3, "margin": -1}, "margin"),
+        ({"policy": "fastest"}, "policy"),
+        ({"work_hours": 3.0}, "work_hours"),
+    ],
+)
+def test_a_bad_deadline_config_names_its_field(fields: dict, culprit: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        SchedulerConfig(**fields).validate()
+    assert err.value.field == culprit, str(err.value)
+
+
+def test_a_good_deadline_config_validates() -> None:
+    cfg = SchedulerConfig(policy="deadline", deadline="2023-06-08T00:00:00Z", work_tokens=10**9, margin=0.1)
+    cfg.validate()
+    assert cfg.deadline_forecaster().name == "profile"
+    assert not math.isnan(cfg.threshold)
