@@ -1,0 +1,70 @@
+"""Real site nodes with ``scheduler.policy: deadline`` finish their work before the deadline, in the
+hours their plans choose, and book what ``greenswarm simulate --policy deadline`` books.
+
+Two sites (GB and DE, Electricity Maps 2023 hourly exports) replay 48 h from 2023-06-01 00:00 UTC at
+3600x, each with 10 site-hours to train by the deadline and the ``profile`` forecaster (five months of
+history behind the start). Each ledger's emissions must be within 5 % of ``simulate`` for the same
+site alone: the planner is the same code, and the difference is what a running node adds (training
+in whole steps, polls, the replay's start).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from greenswarm.simulation.report import simulate
+from greenswarm.timefmt import iso_utc, parse_iso
+from greenswarm.traces import load_trace
+from tests._shared import shared_path
+from tests.conftest import Swarm, site_config
+
+pytestmark = [pytest.mark.deadline, pytest.mark.swarm, pytest.mark.shared]
+
+SITES = {"gb": ("GB", "GB_2023_hourly.csv"), "de": ("DE", "DE-LU_2023_hourly.csv")}
+START, HOURS, WORK_H = "2023-06-01T00:00:00Z", 48.0, 10.0
+SPEEDUP = 3600.0
+
+
+def test_sites_finish_their_work_by_the_deadline_as_simulated(swarm: Swarm, tmp_path: Path) -> None:
+    start = parse_iso(START)
+    deadline = iso_utc(start + HOURS * 3600.0)
+    start_file = tmp_path / "start"
+    peers = swarm.bootstrap()
+    for name, (region, file) in SITES.items():
+        trace = shared_path(f"traces/electricitymaps-2023/{file}")
+        cfg = site_config(
+            name, region, trace, peers, tmp_path / name, speedup=SPEEDUP, start_file=start_file, sync_s=6 * 3600.0,
+            scheduler={
+                "policy": "deadline", "deadline": deadline, "work_hours": WORK_H, "forecast": "profile",
+                "poll_s": 300.0,
+            },
+            node={"log_every_s": 30.0},
+        )  # fmt: skip
+        cfg["scheduler"]["clock"]["start"] = START
+        swarm.node(name, swarm.write_config(name, cfg))
+    swarm.start_replay(list(SITES), start_file)
+    for name in SITES:
+        assert swarm.wait(name, timeout=HOURS * 3600.0 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
+
+    for name, (region, file) in SITES.items():
+        log = swarm.log(name)
+        assert "Traceback" not in log
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        plan = summary["deadline"]
+        assert plan["met_deadline"], plan
+        assert plan["trained_site_hours"] == pytest.approx(WORK_H, abs=0.5), plan
+        assert re.search(r"deadline plan at .*: waiting: .* above the plan's price", log)
+        assert re.search(r"deadline plan at .*: training: .* below the plan's price", log)
+        assert "the deadline plan's work is done: stopping" in log
+
+        trace = load_trace(str(shared_path(f"traces/electricitymaps-2023/{file}")))
+        simulated = simulate(
+            trace, [region], "deadline", work_h=WORK_H, start=start, deadline_h=HOURS, forecast="profile"
+        ).report
+        assert simulated["finished"]
+        node_kg = summary["emissions_g"] / 1000.0
+        assert node_kg == pytest.approx(simulated["emissions_kg"], rel=0.05), (name, node_kg, simulated)
