@@ -54,8 +54,17 @@ def starts(trace, deadline_h: float, history_days: float = 14.0) -> list[float]:
 
 
 def one_case(trace, region: str, start: float, work_h: float, deadline_h: float, forecaster: str) -> dict:
+    # the choice of hours alone: training energy, no idle draw while waiting (a site whose GPUs do
+    # other work meanwhile), so that waiting is judged on when it trains, not on what it holds
     report = simulate(
-        trace, [region], "deadline", work_h=work_h, start=start, deadline_h=deadline_h, forecast=forecaster
+        trace,
+        [region],
+        "deadline",
+        work_h=work_h,
+        start=start,
+        deadline_h=deadline_h,
+        forecast=forecaster,
+        idle_kw=0.0,
     ).report
     once = float(report["baselines"][region])
     foresight = report["foresight_kg"]

@@ -235,6 +235,19 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--work", type=float, metavar="SITE_HOURS", help="stop when the swarm has trained this much"
     )
+    sim.add_argument(
+        "--idle-kw",
+        type=float,
+        metavar="KW",
+        help="a site's draw while it waits (default: the policy's; the node's is 0.468, since it keeps "
+        "its model on the GPUs; 0 for GPUs that do other work meanwhile)",
+    )
+    sim.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="take the round pause and the power while training and idle from a node run (a site's "
+        "run_dir, or a folder of them: each summary.json and rounds.jsonl)",
+    )
     sim.add_argument("--start", metavar="ISO", help="start here instead of at the trace's start")
     sim.add_argument("--deadline", type=float, metavar="HOURS", help="deadline policy: finish within HOURS")
     sim.add_argument(
@@ -506,6 +519,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             deadline=args.deadline,
             forecast=args.forecast,
             forecast_error=args.forecast_error,
+            idle_kw=args.idle_kw,
+            calibrate=args.calibrate,
             compare=args.compare,
             trace_options=_trace_options(args),
             plot=args.plot,

@@ -320,22 +320,29 @@ def test_reproduce_matches_the_paper(mci_linear) -> None:
 @pytest.mark.shared
 def test_simulated_policies_on_the_anchor_trace(mci_hold) -> None:
     """On the hold-last trace at the anchor's 17.78 site-hours: the simulated anchor controller is
-    within 5 % of its published 1.38 kg; greenswarm is within 1 % of the threshold ideal (1.017 kg)."""
+    within 5 % of its published 1.38 kg. greenswarm's node, which keeps its model on the GPUs while
+    IDLE, pays the provisioned idle draw between windows; with GPUs that do other work meanwhile
+    (``energy.idle_kw=0``) it is within 1 % of the threshold ideal (1.017 kg)."""
     curtail = simulate(mci_hold, ANCHOR_REGIONS, load_policy("curtail-llm"), work_h=17.78).report
     assert curtail["finished"] is True
     assert curtail["emissions_kg"] == pytest.approx(1.38, rel=0.05)
     green = simulate(mci_hold, ANCHOR_REGIONS, load_policy("greenswarm"), work_h=17.78).report
+    released = load_policy("greenswarm", ["energy.idle_kw=0"])
+    freed = simulate(mci_hold, ANCHOR_REGIONS, released, work_h=17.78).report
     assert green["ideal_kg"] == pytest.approx(1.017, rel=0.01)
-    assert green["emissions_kg"] == pytest.approx(green["ideal_kg"], rel=0.01)
-    assert green["emissions_kg"] < curtail["emissions_kg"]
+    assert freed["emissions_kg"] == pytest.approx(green["ideal_kg"], rel=0.01)
+    assert freed["emissions_kg"] < curtail["emissions_kg"] < green["emissions_kg"]
+    held = sum(s["idle_hours"] for s in green["sites"]) * 0.468  # kWh idle, about 10
+    assert green["energy_kwh"] == pytest.approx(freed["energy_kwh"] + held, rel=0.01)
     assert set(green["baselines"]) == set(mci_hold.regions)
 
 
 @pytest.mark.shared
 def test_simulated_policies_on_the_linear_anchor_trace(mci_linear) -> None:
-    """Read linearly (the anchor's convention): the ideal is 0.994 kg, greenswarm within 1 % of it,
-    perfect foresight 0.341 kg."""
-    green = simulate(mci_linear, ANCHOR_REGIONS, load_policy("greenswarm"), work_h=17.78).report
+    """Read linearly (the anchor's convention): the ideal is 0.994 kg, greenswarm with its GPUs freed
+    while idle within 1 % of it, perfect foresight 0.341 kg."""
+    released = load_policy("greenswarm", ["energy.idle_kw=0"])
+    green = simulate(mci_linear, ANCHOR_REGIONS, released, work_h=17.78).report
     assert green["ideal_kg"] == pytest.approx(0.994, rel=0.01)
     assert green["emissions_kg"] == pytest.approx(green["ideal_kg"], rel=0.01)
     assert green["foresight_kg"] == pytest.approx(0.341, rel=0.01)

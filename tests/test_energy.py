@@ -165,15 +165,16 @@ def test_make_power_model_validates_the_config():
         make_power_model(EnergyConfig(source="gpu"))
 
 
-def test_a_meter_sets_the_training_draw_and_not_the_idle_one():
-    readings = iter([3.0, 1.0])
+def test_a_meter_sets_the_draw_in_every_state():
+    readings = iter([3.0, 0.4, 1.0])
     power = PowerModel(train_kw=2.0, idle_kw=0.5, meter=lambda: next(readings))
     ledger = EnergyLedger(HOURLY, "R", power, start=0.0)
     ledger.advance(3600.0, SiteState.SOLO)  # 3 kW x 1 h at 50 g/kWh
-    ledger.advance(5400.0, SiteState.IDLE)  # idle: 0.5 kW, the meter is not read
+    ledger.advance(5400.0, SiteState.IDLE)  # idle: what the GPUs draw holding the model, 0.4 kW
     ledger.advance(7200.0, SiteState.FEDERATED)  # 1 kW x 0.5 h at 200 g/kWh
-    assert ledger.energy_kwh == pytest.approx(3.0 + 0.25 + 0.5)
-    assert ledger.emissions_g == pytest.approx(150.0 + 0.5 * 0.5 * 200.0 + 0.5 * 200.0)
+    assert ledger.energy_kwh == pytest.approx(3.0 + 0.2 + 0.5)
+    assert ledger.emissions_g == pytest.approx(150.0 + 0.4 * 0.5 * 200.0 + 0.5 * 200.0)
+    assert ledger.kwh == pytest.approx({"SOLO": 3.0, "IDLE": 0.2, "FEDERATED": 0.5})
     configured = EnergyLedger(HOURLY, "R", PowerModel(train_kw=2.0, idle_kw=0.5), start=0.0)
     configured.advance(3600.0, SiteState.SOLO)
     assert configured.energy_kwh == pytest.approx(2.0)

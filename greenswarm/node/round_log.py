@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from greenswarm.jsonlines import read_json_lines
+
 log = logging.getLogger(__name__)
 
 FILE = "rounds.jsonl"
@@ -70,16 +72,4 @@ class RoundLog:
 
 def read_rounds(path: str | Path) -> list[dict[str, Any]]:
     """Every complete line of a round log (a torn or garbled line is skipped)."""
-    entries = []
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict):
-            entries.append(entry)
-    return entries
+    return read_json_lines(path)

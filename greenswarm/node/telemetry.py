@@ -99,6 +99,10 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "energy_kwh": node.ledger.energy_kwh,
         "emissions_g": node.ledger.emissions_g,
         "seconds_by_state": dict(node.ledger.seconds),
+        "kwh_by_state": dict(node.ledger.kwh),
+        # what `greenswarm simulate --calibrate` needs to turn this run's wall seconds into clock seconds
+        "clock_speedup": float(getattr(node.clock, "speedup", 1.0)),
+        "sync_interval_s": node.cfg.averaging.sync_interval_s,
         "first_step_s": stats.first_step_s,
         "first_round_s": federation.first_round_s if federation else None,
         "reachability": swarm.reachability if swarm else "direct",

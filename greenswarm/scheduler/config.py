@@ -393,20 +393,22 @@ class SchedulerConfig(TraceSource):
 
 @dataclass
 class EnergyConfig:
-    """The site's power model. :data:`ANCHOR_TRAIN_KW` while training is the anchor's (curtail-llm)
-    figure; idle draw is 0 because greenswarm releases GPUs outside windows instead of keeping them
-    provisioned.
+    """The site's power model. :data:`ANCHOR_TRAIN_KW` while training and :data:`ANCHOR_IDLE_KW` while
+    idle are the anchor's (curtail-llm) figures for its machines, training and provisioned but not
+    training. A site's node keeps its process, and its model and optimizer state on the GPUs, while
+    IDLE (it does not release them), so an idle site draws what a provisioned machine draws; set
+    ``idle_kw: 0`` only where the GPUs do other work, or are powered down, while the site waits.
 
     ``source`` says where the training draw comes from: ``config`` always uses ``train_kw``;
     ``nvml`` measures the GPUs this process sees through NVML (and refuses to start without it);
     ``auto`` measures when NVML and a GPU are there and uses ``train_kw`` otherwise, so one config
     serves a GPU site and a CPU replay alike. A measured draw covers the GPUs only, so it is
     multiplied by ``nvml_overhead`` (>= 1) for the rest of the machine: CPUs, fans, PSU losses.
-    The idle draw is always ``idle_kw``: outside windows the GPUs are released, not measured.
+    A measured draw is measured in every state: while IDLE it is what the GPUs draw holding the model.
     """
 
     train_kw: float = ANCHOR_TRAIN_KW
-    idle_kw: float = 0.0
+    idle_kw: float = ANCHOR_IDLE_KW
     source: PowerSource = "auto"
     nvml_overhead: float = 1.0
 

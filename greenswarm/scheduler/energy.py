@@ -30,11 +30,11 @@ Meter = Callable[[], float]
 @dataclass
 class PowerModel:
     """A site's electrical draw (kW) per state. Training draws ``train_kw`` whether alone or federated;
-    ``idle_kw`` is what an idle site keeps drawing (0 when GPUs are released, as greenswarm does).
+    ``idle_kw`` is what an idle site keeps drawing (the node keeps its model on the GPUs while IDLE).
 
-    With a ``meter`` (such as :class:`NvmlPower`) a training state draws what the meter reads at
-    that moment instead of ``train_kw``, so a site books what its hardware really used. Idle stays
-    ``idle_kw``: outside windows the GPUs are released, and there is nothing of ours to measure.
+    With a ``meter`` (such as :class:`NvmlPower`) every state draws what the meter reads at that
+    moment instead, so a site books what its hardware really used -- while IDLE, what its GPUs draw
+    holding the model.
     """
 
     train_kw: float
@@ -42,9 +42,9 @@ class PowerModel:
     meter: Meter | None = None
 
     def kw(self, state: SiteState) -> float:
-        if state == SiteState.IDLE:
-            return self.idle_kw
-        return self.train_kw if self.meter is None else float(self.meter())
+        if self.meter is not None:
+            return float(self.meter())
+        return self.idle_kw if state == SiteState.IDLE else self.train_kw
 
 
 class NvmlUnavailable(GreenswarmError):
@@ -190,6 +190,7 @@ class EnergyLedger:
         self.energy_kwh = 0.0
         self.emissions_g = 0.0
         self.seconds: dict[str, float] = {state.value: 0.0 for state in SiteState}
+        self.kwh: dict[str, float] = {state.value: 0.0 for state in SiteState}  # energy by state
 
     def advance(self, t: float, state: SiteState) -> None:
         """Book the interval from the previous call (or ``start``) to ``t`` as spent in ``state``.
@@ -205,6 +206,7 @@ class EnergyLedger:
         if trace is not None:
             self.emissions_g += kw / 3600.0 * trace.integral(self.region, self.t, t)
         self.seconds[SiteState(state).value] += t - self.t
+        self.kwh[SiteState(state).value] += kw * (t - self.t) / 3600.0
         self.t = float(t)
 
     @property
@@ -219,6 +221,7 @@ class EnergyLedger:
             "energy_kwh": self.energy_kwh,
             "emissions_g": self.emissions_g,
             "seconds": dict(self.seconds),
+            "kwh": dict(self.kwh),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -227,11 +230,13 @@ class EnergyLedger:
             energy = float(d["energy_kwh"])
             emissions = float(d["emissions_g"])
             seconds = {state.value: float(d["seconds"].get(state.value, 0.0)) for state in SiteState}
+            kwh = {state.value: float(d.get("kwh", {}).get(state.value, 0.0)) for state in SiteState}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed energy ledger state: {err!r}") from None
-        if not all(math.isfinite(x) for x in (t, energy, emissions, *seconds.values())):
+        if not all(math.isfinite(x) for x in (t, energy, emissions, *seconds.values(), *kwh.values())):
             raise ValueError("malformed energy ledger state: non-finite number")
         self.t, self.energy_kwh, self.emissions_g, self.seconds = t, energy, emissions, seconds
+        self.kwh = kwh
 
 
 def baseline_emissions_g(trace: Trace, region: str, t0: float, t1: float, kw: float) -> float:

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from greenswarm.simulation.intervals import EMPTY, clip, coverage, intersect, subtract, total, where_count
+from greenswarm.simulation.intervals import (
+    EMPTY,
+    as_intervals,
+    clip,
+    coverage,
+    intersect,
+    subtract,
+    total,
+    where_count,
+)
 from greenswarm.traces.trace import Trace
 
 
@@ -68,6 +77,16 @@ def split_federated(runs: list[SiteRun], round_s: float, overhead_s: float, idle
             out.append(Segments("train", subtract(seg.intervals, federated), seg.kw, seg.rate))
             out.append(Segments("federated", fed, duty * seg.kw + (1 - duty) * idle_kw, duty * seg.rate))
         run.segments = out
+
+
+def hold_idle(runs: list[SiteRun], start: float, end: float, idle_kw: float) -> None:
+    """Power every site from ``start`` to ``end`` at ``idle_kw`` whenever it does not train: a node
+    keeps its process and model while it waits (the run is cut where its work is done)."""
+    if idle_kw <= 0:
+        return
+    whole = np.array([[start, end]]) if end > start else EMPTY.copy()
+    for run in runs:
+        run.segments.append(Segments("idle", subtract(whole, as_intervals(run.training())), idle_kw, 0.0))
 
 
 def time_to_finish(runs: list[SiteRun], work_s: float, start: float) -> float | None:

@@ -5,11 +5,16 @@ has (so a simulated policy and a running node are configured identically), plus 
 section for what only a simulation has to model -- how long a site takes from "go" to its first
 step, and what synchronous rounds cost. Presets:
 
-* ``greenswarm``: the node's behaviour. Enter below the threshold, leave as soon as intensity is
+* ``greenswarm``: the node as it is. Enter below the threshold, leave as soon as intensity is
   above it (the next 10 s poll), ``startup_s`` 10 s to rejoin (the node keeps its process and
   model in memory while idle; its first step came 3.2 s after launch in the demo, catching up with
-  the swarm adds a state download), charged at full training power. GPUs are released while idle
-  (0 kW), and averaging overlaps training, so federated rounds cost no pause.
+  the swarm adds a state download), charged at full training power. The node keeps its model on
+  the GPUs while IDLE, so a site is powered for the whole run (``powered: always``) and draws the
+  node's default ``energy.idle_kw`` (0.468 kW, a provisioned machine's) whenever it is not
+  training. Averaging overlaps training, but beginning and finishing a round holds training up
+  for about a second (``blocked_s`` in the round log: median 0.3-2.6 s in docs/overlap.md), so a
+  federated round pauses 1 s. ``greenswarm simulate --calibrate RUN_DIR`` replaces these figures
+  by what a run measured (:mod:`greenswarm.simulation.calibrate`).
 * ``curtail-llm``: the anchor's controller as its paper and event log describe it. Enter below 100,
   leave only after 600 s continuously above, 300 s of provisioning before training at 0.468 kW,
   the same 0.468 kW while provisioned but not training, and 600 s synchronous rounds that stop
@@ -36,6 +41,8 @@ from greenswarm.traces.trace import Trace
 
 StartupPower = Literal["idle", "train"]
 STARTUP_POWER: tuple[str, ...] = get_args(StartupPower)
+Powered = Literal["windows", "always"]
+POWERED: tuple[str, ...] = get_args(Powered)
 
 
 @dataclass
@@ -47,6 +54,9 @@ class ProvisioningConfig:
     loading state). ``round_overhead_s``: seconds of no training after every ``round_s`` seconds of
     training whenever two or more sites train at once, drawn at ``idle_kw``. ``at_polls``: the
     site notices a change at its next ``scheduler.poll_s`` poll (off only for the ideal yardstick).
+    ``powered``: ``windows`` -- the site draws nothing outside its windows (the anchor deprovisions
+    its machines); ``always`` -- it is powered from the start of the run, drawing ``idle_kw``
+    whenever it is not training (a node that keeps its process and model while IDLE).
     """
 
     startup_s: float = 0.0
@@ -54,6 +64,7 @@ class ProvisioningConfig:
     round_s: float = 600.0
     round_overhead_s: float = 0.0
     at_polls: bool = True
+    powered: Powered = "windows"
 
     def validate(self) -> None:
         check_number(self.startup_s, "startup_s", minimum=0.0, inclusive=True)
@@ -64,6 +75,8 @@ class ProvisioningConfig:
             )
         check_number(self.round_s, "round_s", minimum=0.0, inclusive=False)
         check_number(self.round_overhead_s, "round_overhead_s", minimum=0.0, inclusive=True)
+        if self.powered not in POWERED:
+            raise ConfigError(f"must be one of {', '.join(POWERED)}, got {self.powered!r}", field="powered")
 
 
 @dataclass
@@ -94,6 +107,8 @@ class PolicyConfig:
         parts.append(f"{e.train_kw:g} kW training, {e.idle_kw:g} kW powered but idle")
         if p.round_overhead_s:
             parts.append(f"{p.round_overhead_s:g} s pause per {p.round_s:g} s federated round")
+        if p.powered == "always":
+            parts.append("powered (idle) outside windows too")
         return ", ".join(parts)
 
 
@@ -107,14 +122,19 @@ def _preset(name: str, scheduler: dict, energy: dict, provisioning: dict) -> Pol
 
 
 POLICIES: dict[str, PolicyConfig] = {
-    "greenswarm": _preset("greenswarm", {}, {}, {"startup_s": 10.0, "startup_power": "train"}),
+    "greenswarm": _preset(
+        "greenswarm",
+        {},
+        {},
+        {"startup_s": 10.0, "startup_power": "train", "round_overhead_s": 1.0, "powered": "always"},
+    ),
     "curtail-llm": _preset(
         "curtail-llm",
         {"dwell_s": 600.0},
         {"idle_kw": ANCHOR_IDLE_KW},
         {"startup_s": 300.0, "round_overhead_s": 130.0},
     ),
-    "ideal": _preset("ideal", {}, {}, {"at_polls": False}),
+    "ideal": _preset("ideal", {}, {"idle_kw": 0.0}, {"at_polls": False}),
 }
 
 
@@ -165,6 +185,9 @@ def site_run(
     run = SiteRun(name, region)
     run.segments.append(Segments("train", training, e.train_kw, 1.0))
     run.segments.append(Segments("idle", subtract(powered, training), startup_kw, 0.0))
+    if p.powered == "always":  # waiting between windows, process and model kept
+        whole = as_intervals(np.array([[start, max(start, decide.end)]]))
+        run.segments.append(Segments("idle", subtract(whole, powered), e.idle_kw, 0.0))
     return run
 
 

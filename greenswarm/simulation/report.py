@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from greenswarm.console import pyplot, save_figure, wide_console
-from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
+from greenswarm.scheduler.config import ANCHOR_TRAIN_KW, EnergyConfig
 from greenswarm.scheduler.energy import baseline_emissions_g
 from greenswarm.scheduler.forecast import FileForecaster, Forecaster, NoisyForecaster, make_forecaster
 from greenswarm.simulation.deadline import deadline_runs, foresight_runs
@@ -24,6 +24,7 @@ from greenswarm.simulation.engine import (
     SiteRun,
     SiteTotals,
     account,
+    hold_idle,
     integrals,
     occupancy_hours,
     time_to_finish,
@@ -102,6 +103,7 @@ def simulate(
     margin: float = 0.0,
     threshold: float | None = None,
     train_kw: float | None = None,
+    idle_kw: float | None = None,
     compare: tuple[PolicyConfig, ...] = (),
 ) -> Simulation:
     """Simulate ``regions`` (one site each) under ``policy`` until ``work_h`` site-hours are done.
@@ -110,7 +112,10 @@ def simulate(
     sites run to the end of the trace and the yardsticks are taken at the work they did. The
     ``deadline`` policy must finish by ``deadline_h`` hours after ``start`` (default: the trace's end)
     and plans with ``forecast``; perfect foresight, for every policy, picks the cleanest site-hours
-    before that deadline. ``threshold`` and ``train_kw`` override the policy's. Each policy
+    before that deadline. ``threshold``, ``train_kw`` and ``idle_kw`` override the policy's; the
+    ``deadline`` and ``foresight`` sites are powered from ``start`` until their work is done, as a
+    node is, idling at ``idle_kw`` (default: the node's ``energy.idle_kw``; 0 for a site whose GPUs
+    do other work while it waits) between the hours they train. Each policy
     in ``compare`` is simulated on the same terms and summarised under ``compare`` (and plotted).
     """
     for region in regions:
@@ -124,6 +129,7 @@ def simulate(
     if isinstance(policy, PolicyConfig):
         sched = replace(policy.scheduler, threshold=threshold) if threshold is not None else policy.scheduler
         energy = replace(policy.energy, train_kw=train_kw) if train_kw is not None else policy.energy
+        energy = replace(energy, idle_kw=idle_kw) if idle_kw is not None else energy
         policy = replace(policy, scheduler=sched, energy=energy)
         sched.validate()
         energy.validate()
@@ -139,6 +145,9 @@ def simulate(
     else:
         forecaster = make_forecaster(forecast)
     runs = _runs_for(policy, trace, regions, start, deadline, work_s, train_kw, forecaster, margin, threshold)
+    if isinstance(policy, str):
+        idle_kw = EnergyConfig().idle_kw if idle_kw is None else idle_kw
+        hold_idle(runs, start, deadline, idle_kw)
     end, done = _finish(runs, work_s, start, deadline if isinstance(policy, str) else trace.end)
     totals = account(runs, trace, threshold)
     work_done = _sum(totals, "work_s")
@@ -386,6 +395,8 @@ def run_simulate(
     deadline: float | None = None,
     forecast: str = "noisy",
     forecast_error: float = 0.3,
+    idle_kw: float | None = None,
+    calibrate: str | None = None,
     compare: str | None = None,
     trace_options: dict[str, Any] | None = None,
     plot: str | None = None,
@@ -433,6 +444,19 @@ def run_simulate(
             f"{start} is outside the trace ({iso_utc(loaded.start)} .. {iso_utc(loaded.end)})",
             where="--start",
         )
+    if idle_kw is not None and not (math.isfinite(idle_kw) and idle_kw >= 0):
+        raise ConfigError(f"must be a number >= 0, got {idle_kw:g}", where="--idle-kw")
+    measured = None
+    train_kw = None
+    if calibrate is not None:
+        from greenswarm.simulation.calibrate import calibrate as read_calibration
+
+        measured = read_calibration(calibrate)
+        if isinstance(chosen, PolicyConfig):
+            chosen = measured.apply(chosen)
+        else:
+            train_kw = measured.train_kw
+            idle_kw = measured.idle_kw if idle_kw is None else idle_kw
     try:
         sim = simulate(
             loaded,
@@ -444,10 +468,14 @@ def run_simulate(
             forecast=planner,
             forecast_error=forecast_error,
             threshold=threshold,
+            train_kw=train_kw,
+            idle_kw=idle_kw,
             compare=others,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if measured is not None:
+        sim.report["calibrated"] = measured.describe()
     if plot:
         sim.report["plot"] = plot_simulation(sim, plot)
     if as_json:
