@@ -295,6 +295,11 @@ def build_report(
         )
     }
     baselines = {r: baseline_emissions_g(trace, r, t0, t1, kw) for r in regions}
+    # equal work: the same site training at once from the start, for as long as it trained in windows
+    equal_work = {}
+    for s in sites:
+        trained = sum(s["seconds_by_state"].get(k, 0.0) for k in ("SOLO", "FEDERATED"))
+        equal_work[s["site"]] = baseline_emissions_g(trace, s["region"], t0, t0 + trained, kw)
     return {
         "trace": trace.source,
         "regions": regions,
@@ -304,5 +309,6 @@ def build_report(
         "sites": sites,
         "total": totals,
         "baseline_continuous_g": baselines,
+        "baseline_equal_work_g": equal_work,
         "emissions_vs_baseline": {r: totals["emissions_g"] / b if b else None for r, b in baselines.items()},
     }

@@ -14,9 +14,20 @@ from greenswarm.errors import ConfigError
 from greenswarm.node.progress import ProgressRecord
 from greenswarm.node.progress_view import progress_table
 from greenswarm.scheduler.config import SchedulerConfig
-from greenswarm.scheduler.deadline import FALLBACK, FORCED, PLAN, DeadlinePlanner, known_until
+from greenswarm.scheduler.deadline import (
+    FALLBACK,
+    FORCED,
+    PLAN,
+    PLAN_RETENTION_S,
+    DeadlinePlanner,
+    known_until,
+)
 from greenswarm.scheduler.deadline_schedule import DeadlineSchedule, Work
 from greenswarm.scheduler.forecast import DAY_S, ProfileForecaster, make_forecaster
+from greenswarm.scheduler.live import LiveSchedule
+from greenswarm.scheduler.policy import HysteresisPolicy
+from greenswarm.signals.feed import LiveFeed
+from greenswarm.signals.sources import TraceSignal
 from greenswarm.simulation.deadline import deadline_runs
 from greenswarm.simulation.engine import account
 from greenswarm.traces.trace import Trace
@@ -223,3 +234,64 @@ def test_a_good_deadline_config_validates() -> None:
     cfg.validate()
     assert cfg.deadline_forecaster().name == "profile"
     assert not math.isnan(cfg.threshold)
+
+
+def _live(trace: Trace, clock: list[float], on_loss: str = "hold-last") -> LiveSchedule:
+    feed = LiveFeed(
+        TraceSignal(trace, "A"),
+        lambda: clock[0],
+        600.0,
+        logging.getLogger("test.feed"),
+        retention_s=PLAN_RETENTION_S,
+    )
+    return LiveSchedule(
+        feed, "A", HysteresisPolicy(250.0), on_loss=on_loss, max_staleness_s=2 * HOUR, grace_s=600.0,
+        log=logging.getLogger("test.live"),
+    )  # fmt: skip
+
+
+def test_over_a_live_feed_the_plan_trains_the_hours_it_trains_over_the_file() -> None:
+    trace = _trace(30)
+    start, deadline = T0 + 21 * DAY_S + 7 * HOUR, T0 + 21 * DAY_S + 79 * HOUR
+    plans = []
+    for base in ("file", "live"):
+        clock = [start]
+        planner = DeadlinePlanner(ProfileForecaster(), ["A"], deadline, threshold=250.0)
+        source = trace if base == "file" else _live(trace, clock)
+        schedule = DeadlineSchedule(source, "A", planner, Work(hours=20.0), logging.getLogger("test.live"))
+        progress = FakeProgress()
+        schedule.bind(progress)
+        trained = []
+        while clock[0] < deadline and not schedule.finished():
+            if base == "live":
+                source.feed.poll()  # the feed's thread, in step with the clock
+            window = schedule.current(clock[0])
+            step = min(600.0, deadline - clock[0]) if window is None else min(600.0, window.end - clock[0])
+            if window is not None:
+                trained.append((clock[0], clock[0] + step))
+                progress.trained += step
+            clock[0] += step
+        plans.append(trained)
+        assert schedule.finished(), base
+    assert plans[0] == plans[1]
+
+
+def test_a_lost_signal_waits_until_the_deadline_forces_it() -> None:
+    trace = _trace(22)  # the feed ends at day 22: nothing after
+    start = trace.end - 2 * HOUR
+    clock = [start]
+    live = _live(trace, clock, on_loss="pause")
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], trace.end + 6 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(live, "A", planner, Work(hours=3.0), logging.getLogger("test.lost"))
+    progress = FakeProgress()
+    schedule.bind(progress)
+    reasons = []
+    while clock[0] < trace.end + 6 * HOUR and not schedule.finished():
+        live.feed.poll()
+        if (window := schedule.current(clock[0])) is not None:
+            progress.trained += min(600.0, window.end - clock[0])
+        reasons.append(schedule.decision.reason if schedule.decision else None)
+        clock[0] += 600.0
+    schedule.current(clock[0])
+    assert "signal-lost" in reasons and reasons[-1] == FORCED
+    assert schedule.finished() and schedule.plan()["met_deadline"]

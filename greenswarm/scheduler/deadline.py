@@ -32,6 +32,9 @@ import numpy as np
 from greenswarm.scheduler.forecast import DAY_S, Forecaster, values_at
 from greenswarm.traces.trace import Trace
 
+#: how much of a live signal a site under a deadline plan keeps: the profile forecaster looks back four weeks
+PLAN_RETENTION_S = 35 * DAY_S
+
 #: why a site trains or waits in a step, as the node logs it and the simulator counts it
 PLAN, FORCED, FALLBACK, DONE = "plan", "forced", "threshold-fallback", "done"
 

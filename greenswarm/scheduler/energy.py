@@ -191,6 +191,7 @@ class EnergyLedger:
         self.emissions_g = 0.0
         self.seconds: dict[str, float] = {state.value: 0.0 for state in SiteState}
         self.kwh: dict[str, float] = {state.value: 0.0 for state in SiteState}  # energy by state
+        self.grams: dict[str, float] = {state.value: 0.0 for state in SiteState}  # emissions by state
 
     def advance(self, t: float, state: SiteState) -> None:
         """Book the interval from the previous call (or ``start``) to ``t`` as spent in ``state``.
@@ -203,10 +204,11 @@ class EnergyLedger:
         kw = self.power.kw(state)
         self.energy_kwh += kw * (t - self.t) / 3600.0
         trace = self.trace
-        if trace is not None:
-            self.emissions_g += kw / 3600.0 * trace.integral(self.region, self.t, t)
+        grams = kw / 3600.0 * trace.integral(self.region, self.t, t) if trace is not None else 0.0
+        self.emissions_g += grams
         self.seconds[SiteState(state).value] += t - self.t
         self.kwh[SiteState(state).value] += kw * (t - self.t) / 3600.0
+        self.grams[SiteState(state).value] += grams
         self.t = float(t)
 
     @property
@@ -222,6 +224,7 @@ class EnergyLedger:
             "emissions_g": self.emissions_g,
             "seconds": dict(self.seconds),
             "kwh": dict(self.kwh),
+            "grams": dict(self.grams),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -231,12 +234,16 @@ class EnergyLedger:
             emissions = float(d["emissions_g"])
             seconds = {state.value: float(d["seconds"].get(state.value, 0.0)) for state in SiteState}
             kwh = {state.value: float(d.get("kwh", {}).get(state.value, 0.0)) for state in SiteState}
+            grams = {state.value: float(d.get("grams", {}).get(state.value, 0.0)) for state in SiteState}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed energy ledger state: {err!r}") from None
-        if not all(math.isfinite(x) for x in (t, energy, emissions, *seconds.values(), *kwh.values())):
+        if not all(
+            math.isfinite(x)
+            for x in (t, energy, emissions, *seconds.values(), *kwh.values(), *grams.values())
+        ):
             raise ValueError("malformed energy ledger state: non-finite number")
         self.t, self.energy_kwh, self.emissions_g, self.seconds = t, energy, emissions, seconds
-        self.kwh = kwh
+        self.kwh, self.grams = kwh, grams
 
 
 def baseline_emissions_g(trace: Trace, region: str, t0: float, t1: float, kw: float) -> float:

@@ -9,11 +9,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from greenswarm.scheduler.clock import Clock, make_clock
-from greenswarm.scheduler.deadline import DeadlinePlanner
+from greenswarm.scheduler.deadline import PLAN_RETENTION_S, DeadlinePlanner
 from greenswarm.scheduler.deadline_schedule import DeadlineSchedule, Work
 from greenswarm.scheduler.live import LiveSchedule, loss_phrase
 from greenswarm.scheduler.policy import WindowSchedule
-from greenswarm.signals.feed import LiveFeed
+from greenswarm.signals.feed import RETENTION_S, LiveFeed
 from greenswarm.signals.sources import SignalSource, make_source
 from greenswarm.timefmt import parse_instant
 from greenswarm.traces.trace import Trace
@@ -47,6 +47,7 @@ def site_schedule(
         log,
         wall_s=clock.wall_seconds,
         on_loss=loss_phrase(cfg.on_signal_loss, cfg.max_staleness_s),
+        retention_s=PLAN_RETENTION_S if cfg.policy == "deadline" else RETENTION_S,
     )
     schedule = LiveSchedule(
         feed,
