@@ -69,3 +69,36 @@ def test_sites_finish_their_work_by_the_deadline_as_simulated(swarm: Swarm, tmp_
         assert simulated["finished"]
         node_kg = summary["emissions_g"] / 1000.0
         assert node_kg == pytest.approx(simulated["emissions_kg"], rel=0.05), (name, node_kg, simulated)
+
+
+def test_sites_share_one_token_target_and_deadline(swarm: Swarm, tmp_path: Path) -> None:
+    """Two sites with ``shared: true``: one target between them, priced with each other's published
+    supply (``plan`` in their progress records); the swarm reaches it by the deadline and both stop."""
+    start = parse_iso(START)
+    deadline = iso_utc(start + HOURS * 3600.0)
+    start_file = tmp_path / "start"
+    peers = swarm.bootstrap()
+    target = 30_000
+    for name, (region, file) in SITES.items():
+        cfg = site_config(
+            name, region, shared_path(f"traces/electricitymaps-2023/{file}"), peers, tmp_path / name,
+            speedup=SPEEDUP, start_file=start_file, sync_s=6 * 3600.0,
+            scheduler={
+                "policy": "deadline", "deadline": deadline, "work_tokens": target, "shared": True,
+                "poll_s": 300.0,
+            },
+            node={"log_every_s": 30.0},
+        )  # fmt: skip
+        cfg["scheduler"]["clock"]["start"] = START
+        swarm.node(name, swarm.write_config(name, cfg))
+    swarm.start_replay(list(SITES), start_file, lead_s=0.05)
+    for name in SITES:
+        assert swarm.wait(name, timeout=HOURS * 3600.0 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
+    summaries = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in SITES}
+    assert sum(s["tokens"] for s in summaries.values()) >= target
+    for name, summary in summaries.items():
+        plan = summary["deadline"]
+        assert plan["shared"] and plan["met_deadline"], plan
+        log = swarm.log(name)
+        assert "shared with 1 other site" in log, log[-3000:]
+        assert "the deadline plan's work is done: stopping" in log

@@ -295,3 +295,42 @@ def test_a_lost_signal_waits_until_the_deadline_forces_it() -> None:
     schedule.current(clock[0])
     assert "signal-lost" in reasons and reasons[-1] == FORCED
     assert schedule.finished() and schedule.plan()["met_deadline"]
+
+
+def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> None:
+    """Two sites, one token target and one deadline: each prices the swarm's work with the other's
+    published supply, so the cleaner region trains more, the target is met by the deadline, and
+    the swarm emits what the simulator's joint plan (spatial and temporal) emits, within 3 %."""
+    trace = _trace(30, regions=("A", "B"))
+    start, deadline = T0 + 21 * DAY_S + 7 * HOUR, T0 + 21 * DAY_S + 55 * HOUR
+    target = 24 * 3600  # tokens, at one token a second: 24 site-hours between them
+    progress = {r: FakeProgress(tokens_per_s=1.0) for r in "AB"}
+    schedules: dict[str, DeadlineSchedule] = {}
+    for r, other in (("A", "B"), ("B", "A")):
+        planner = DeadlinePlanner(ProfileForecaster(), [r], deadline, threshold=250.0)
+        schedules[r] = DeadlineSchedule(
+            trace, r, planner, Work(tokens=target), logging.getLogger(f"t.{r}"), shared=True
+        )
+        peer = lambda other=other: [(progress[other]()[1], schedules[other].share)]  # noqa: E731
+        schedules[r].bind(progress[r], peers=peer)
+    trained: dict[str, list] = {"A": [], "B": []}
+    t = start
+    while t < deadline and not all(s.finished() for s in schedules.values()):
+        for r, schedule in schedules.items():
+            window = schedule.current(t)
+            if window is not None:
+                step = min(60.0, window.end - t)
+                trained[r].append((t, t + step))
+                progress[r].trained += step
+        t += 60.0
+    for schedule in schedules.values():
+        schedule.current(t)
+    assert all(s.finished() for s in schedules.values())
+    assert sum(p()[1] for p in progress.values()) >= target
+    hours = {r: sum(b - a for a, b in trained[r]) / HOUR for r in "AB"}
+    assert hours["A"] > hours["B"] > 0, hours  # A's grid is the cleaner one
+    assert schedules["A"].share is not None and schedules["A"].plan()["shared"]
+    swarm_g = sum(trace.integral(r, a, b) for r in "AB" for a, b in trained[r]) / 3600.0
+    joint = deadline_runs(trace, ["A", "B"], target, start, deadline, ProfileForecaster(), 1.0, cap=250.0)
+    joint_g = sum(t.emissions_g for t in account(joint, trace, 250.0))
+    assert swarm_g == pytest.approx(joint_g, rel=0.03)

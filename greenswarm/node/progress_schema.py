@@ -10,6 +10,18 @@ import pydantic.v1 as pyd
 from hivemind.dht.schema import BytesWithPublicKey
 
 
+class PlanModel(pyd.BaseModel):
+    """A shared deadline plan: what the site can still train before the deadline, and how clean."""
+
+    deadline: pyd.StrictFloat
+    target: pyd.conint(strict=True, ge=1)  # type: ignore[valid-type]
+    values: pyd.conlist(pyd.StrictFloat, max_items=64)  # type: ignore[valid-type]
+    work_tokens: pyd.confloat(strict=True, ge=0)  # type: ignore[valid-type]
+
+    class Config:
+        extra = pyd.Extra.forbid
+
+
 class RecordModel(pyd.BaseModel):
     site: pyd.StrictStr
     region: pyd.StrictStr
@@ -31,6 +43,7 @@ class RecordModel(pyd.BaseModel):
     wire: Optional[pyd.StrictStr] = None  # noqa: UP045  (the last averaged round's wire format)
     refused: pyd.conint(strict=True, ge=0) = 0  # type: ignore[valid-type]  (updates refused so far)
     next_start: Optional[pyd.StrictFloat] = None  # noqa: UP045  (the deadline plan's next start)
+    plan: Optional[PlanModel] = None  # noqa: UP045  (a shared deadline plan)
 
     class Config:
         extra = pyd.Extra.forbid

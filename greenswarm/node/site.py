@@ -95,7 +95,7 @@ class SiteNode:
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
         if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
-            self.schedule.bind(self._work_done)
+            self.schedule.bind(self._work_done, peers=self._plan_peers)
 
     # ------------------------------------------------------------------ public
 
@@ -328,6 +328,12 @@ class SiteNode:
         """Clock seconds this site has trained (its ledger's, restored with a checkpoint) and its tokens."""
         trained = self.ledger.seconds[SOLO.value] + self.ledger.seconds[FEDERATED.value]
         return trained, self.stats.tokens
+
+    def _plan_peers(self) -> list[tuple[int, dict | None]]:
+        """The other sites' tokens and published plans, from their progress records (a shared deadline)."""
+        if self.swarm is None:
+            return []
+        return [(r.tokens, r.plan) for r in self.swarm.view.others()]
 
     def _slot_of(self, t: float) -> int:
         return int(t // self.cfg.averaging.sync_interval_s)

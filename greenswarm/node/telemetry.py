@@ -64,6 +64,7 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         wire=node.federation.wire if node.federation is not None and node.federation.wire else None,
         refused=stats.counts["refused_updates"],
         next_start=getattr(node.schedule, "next_start", None),
+        plan=getattr(node.schedule, "share", None),
     )
 
 

@@ -207,7 +207,10 @@ class SchedulerConfig(TraceSource):
     finish ``work_hours`` site-hours, or ``work_tokens`` tokens, by ``deadline`` (an ISO 8601 instant)
     in the cleanest hours that ``forecast`` (a past-only forecaster: profile, climatology, seasonal,
     persistence, or ``file:PATH`` of issued forecasts) sees, planning ``(1 + margin)`` x the work
-    left; ``threshold`` caps the plan and is the rule while there is under a day of history.
+    left; ``threshold`` caps the plan and is the rule while there is under a day of history. With
+    ``shared: true`` the deadline and ``work_tokens`` are the swarm's: every site publishes what it can
+    still train and how clean (its forecast, in its progress record), and the sites divide the tokens
+    left so that the cleanest forecast site-hours of all regions are used.
     """
 
     threshold: float = 100.0
@@ -228,6 +231,7 @@ class SchedulerConfig(TraceSource):
     work_tokens: int | None = None
     forecast: str = "profile"
     margin: float = 0.0
+    shared: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -244,10 +248,14 @@ class SchedulerConfig(TraceSource):
         if self.policy not in POLICIES:
             raise ConfigError(f"must be one of {', '.join(POLICIES)}, got {self.policy!r}", field="policy")
         deadline_fields = ("deadline", "work_hours", "work_tokens")
+        if not isinstance(self.shared, bool):
+            raise ConfigError(f"must be true or false, got {self.shared!r}", field="shared")
         if self.policy != "deadline":
             for name in deadline_fields:
                 if getattr(self, name) is not None:
                     raise ConfigError("needs policy: deadline", field=name)
+            if self.shared:
+                raise ConfigError("needs policy: deadline", field="shared")
             return
         if self.deadline is None:
             raise ConfigError("policy: deadline needs the instant to finish by", field="deadline")
@@ -271,6 +279,11 @@ class SchedulerConfig(TraceSource):
                 f"must be a whole number of tokens >= 1, got {self.work_tokens!r}", field="work_tokens"
             )
         check_number(self.margin, "margin", minimum=0.0, inclusive=True)
+        if self.shared and self.work_tokens is None:
+            raise ConfigError(
+                "a swarm shares a token target: give work_tokens (the same at every site, as the deadline)",
+                field="shared",
+            )
         forecaster = self.deadline_forecaster()
         if not getattr(forecaster, "past_only", True):
             raise ConfigError(

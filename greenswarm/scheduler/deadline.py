@@ -25,6 +25,7 @@ horizon: the plan is made again at each step, with the latest samples and the wo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,9 @@ from greenswarm.traces.trace import Trace
 
 #: how much of a live signal a site under a deadline plan keeps: the profile forecaster looks back four weeks
 PLAN_RETENTION_S = 35 * DAY_S
+
+#: how many equal parts of its work a site's published supply has (a progress record stays small)
+QUANTILES = 24
 
 #: why a site trains or waits in a step, as the node logs it and the simulator counts it
 PLAN, FORCED, FALLBACK, DONE = "plan", "forced", "threshold-fallback", "done"
@@ -50,7 +54,8 @@ class Decision:
     price: float  # the plan's marginal value: a site trains now below it (inf when forced)
     reason: str  # PLAN, FORCED, FALLBACK or DONE
     next_start: list[float | None]  # per site: the first later step the plan chooses (None: none)
-    left_s: float  # site-seconds of work left when the decision was made
+    left_s: float  # seconds of this site's training the work left amounts to, when decided
+    supply: Supply | None = None  # the first site's own supply, as it publishes it (a plan only)
 
     def trains(self, site: int = 0) -> bool:
         return bool(self.allow_s[site] > 1e-9)
@@ -90,38 +95,83 @@ class DeadlinePlanner:
         end = base + res * (math.floor((now - base) / res) + 1)
         return now, min(end, self.deadline)
 
-    def decide(self, trace: Trace, now: float, left_s: float) -> Decision:
-        """The decision for the step that begins at ``now`` with ``left_s`` site-seconds of work left."""
+    def decide(
+        self,
+        trace: Trace,
+        now: float,
+        left: float,
+        *,
+        rate: float = 1.0,
+        others: Sequence[Supply] = (),
+    ) -> Decision:
+        """The decision for the step that begins at ``now`` with ``left`` work left.
+
+        Work is counted in site-seconds (``rate`` 1) or in tokens (``rate``: this site's tokens per
+        second). ``others``: what the other sites sharing the work can do before the deadline, each as
+        the values of its forecast steps and the work each would give (:class:`Supply`); the price is
+        then the swarm's, and this site trains now if it is among the cleanest site-hours of all.
+        """
         begin, end = self.step(trace, now)
         n = len(self.regions)
         past_only = getattr(self.forecaster, "past_only", True)
         known = known_until(trace, now) if past_only else trace
         present = np.array([values_at(known, r, np.array([now]))[0] for r in self.regions])
-        if left_s <= 1e-9 or end <= begin:
-            return Decision(begin, end, np.zeros(n), present, math.inf, DONE, [None] * n, max(left_s, 0.0))
+        left_s = max(left, 0.0) / rate
+        if left <= 1e-9 or end <= begin:
+            return Decision(begin, end, np.zeros(n), present, math.inf, DONE, [None] * n, left_s)
         step = end - begin
         future_b = np.arange(end, self.deadline, trace.resolution_s, dtype=np.float64)
         future_e = np.minimum(future_b + trace.resolution_s, self.deadline)
-        capacity = n * (step + float((future_e - future_b).sum()))
-        if left_s >= capacity - 1e-9:  # no slack left: everyone trains
+        own = np.concatenate([np.full(n, step), np.tile(future_e - future_b, n)]) * rate
+        extra_values = [np.asarray(o.values, dtype=np.float64) for o in others]
+        extra_work = [np.asarray(o.work, dtype=np.float64) for o in others]
+        capacity = float(own.sum() + sum(w.sum() for w in extra_work))
+        if left >= capacity * (1 - 1e-12) - 1e-9:  # no slack left: everyone trains
             return Decision(begin, end, np.full(n, step), present, math.inf, FORCED, [None] * n, left_s)
         if past_only and now - known.start < self.min_history_s and self.threshold is not None:
             allow = np.where(present < self.threshold, step, 0.0)
             return Decision(begin, end, allow, present, self.threshold, FALLBACK, [None] * n, left_s)
         forecast = [self.forecaster.predict(known, r, now, future_b) for r in self.regions]
-        values = np.concatenate([present, *forecast])
-        durations = np.concatenate([np.full(n, step), np.tile(future_e - future_b, n)])
-        need = left_s * (1.0 + self.margin)
+        values = np.concatenate([present, *forecast, *extra_values])
+        amounts = np.concatenate([own, *extra_work])
+        need = left * (1.0 + self.margin)
         if self.threshold is not None:
             clean = values < self.threshold
-            if durations[clean].sum() >= need:
+            if amounts[clean].sum() >= need:
                 values = np.where(clean, values, np.inf)
         order = np.argsort(values, kind="stable")
-        covered = np.cumsum(durations[order])
+        covered = np.cumsum(amounts[order])
         m = min(int(np.searchsorted(covered, need - 1e-9)), len(order) - 1)
         plan = np.zeros(len(values))
-        plan[order[:m]] = durations[order[:m]]
-        plan[order[m]] = min(durations[order[m]], need - (covered[m - 1] if m else 0.0))
-        chosen = plan[n:].reshape(n, -1) > 1e-9
+        plan[order[:m]] = amounts[order[:m]]
+        plan[order[m]] = min(amounts[order[m]], need - (covered[m - 1] if m else 0.0))
+        chosen = plan[n : len(own)].reshape(n, -1) > 1e-9
         nxt = [float(future_b[np.argmax(c)]) if c.any() else None for c in chosen]
-        return Decision(begin, end, plan[:n], present, float(values[order[m]]), PLAN, nxt, left_s)
+        price = float(values[order[m]])
+        supply = Supply.of(
+            np.concatenate([present[:1], forecast[0]]), np.append(step, future_e - future_b) * rate
+        )
+        return Decision(begin, end, plan[:n] / rate, present, price, PLAN, nxt, left_s, supply)
+
+
+@dataclass(frozen=True)
+class Supply:
+    """What one site can still train before the deadline, by how clean: ``values`` (gCO2/kWh) and the
+    ``work`` each would give (tokens). A site publishes its own, summarised to :data:`QUANTILES`
+    equal parts, so that sites sharing one target price the swarm's work together."""
+
+    values: tuple[float, ...]
+    work: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: np.ndarray, work: np.ndarray, parts: int | None = None) -> Supply:
+        """``values``/``work`` summarised as ``parts`` equal shares of the work, at their quantiles."""
+        parts = QUANTILES if parts is None else parts
+        total = float(work.sum())
+        if total <= 0 or not len(values):
+            return cls((), ())
+        order = np.argsort(values, kind="stable")
+        cum = np.cumsum(work[order])
+        marks = (np.arange(parts) + 0.5) / parts * total
+        picked = values[order][np.minimum(np.searchsorted(cum, marks), len(order) - 1)]
+        return cls(tuple(float(v) for v in picked), tuple([total / parts] * parts))

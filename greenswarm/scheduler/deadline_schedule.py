@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from greenswarm.scheduler.deadline import DONE, FALLBACK, FORCED, DeadlinePlanner, Decision
+from greenswarm.scheduler.deadline import DONE, FALLBACK, FORCED, DeadlinePlanner, Decision, Supply
 from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import Window
 from greenswarm.timefmt import utc_minute
@@ -56,6 +56,26 @@ class Work:
 
 #: (clock seconds trained so far, tokens trained so far): the node's own counts
 Progress = Callable[[], tuple[float, int]]
+#: the other sites of the swarm: (tokens they trained, the plan they publish or None), from their records
+Peers = Callable[[], list[tuple[int, dict | None]]]
+
+
+def share_of(plan: dict | None, deadline: float, target: int) -> tuple[Supply | None, str]:
+    """A peer's published plan as a :class:`Supply`, if it shares this site's deadline and target
+    (and why not, otherwise)."""
+    if not isinstance(plan, dict):
+        return None, "no shared plan"
+    try:
+        same = float(plan["deadline"]) == deadline and int(plan["target"]) == target
+        values = [float(v) for v in plan["values"]]
+        total = float(plan["work_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None, "a malformed plan"
+    if not same:
+        return None, f"another deadline or target ({plan.get('deadline')}, {plan.get('target')})"
+    if not values or not (math.isfinite(total) and total >= 0) or not all(math.isfinite(v) for v in values):
+        return None, "an empty plan"
+    return Supply(tuple(values), tuple([total / len(values)] * len(values))), ""
 
 
 class DeadlineSchedule:
@@ -68,21 +88,56 @@ class DeadlineSchedule:
         planner: DeadlinePlanner,
         work: Work,
         log: logging.Logger,
+        *,
+        shared: bool = False,
     ):
         self.base, self.region, self.planner, self.work, self.log = base, region, planner, work, log
+        if shared and work.tokens is None:
+            raise ValueError("a shared deadline plan counts tokens: give work_tokens")
+        self.shared = shared
+        self.peers: Peers = list
+        self.share: dict | None = None  # what this site publishes in its progress record (shared plans)
+        self.partners = 0  # sites whose plans the last decision priced with
+        self._ignored: set[str] = set()
         self.end = base.end
         self.progress: Progress = lambda: (0.0, 0)
         self.decision: Decision | None = None
         self._trained_at_decision = 0.0
-        self._said: tuple[str, bool] | None = None
+        self._said: tuple[str, bool, int] | None = None
         self.decisions = 0
         self.reasons: dict[str, int] = {}
         self.finished_at: float | None = None
         self._measuring = False
 
-    def bind(self, progress: Progress) -> None:
-        """Where the schedule reads the site's progress (the node binds its ledger and counters)."""
+    def bind(self, progress: Progress, peers: Peers | None = None) -> None:
+        """Where the schedule reads the site's progress (the node binds its ledger and counters) and,
+        for a shared plan, the other sites' (their progress records)."""
         self.progress = progress
+        if peers is not None:
+            self.peers = peers
+
+    def _left(self, trained: float, tokens: int) -> tuple[float | None, list[Supply]]:
+        """Seconds of this site's training the work left amounts to (None: rate not yet measured), and
+        the other sites' supplies when the plan is shared."""
+        if not self.shared:
+            return self.work.left_s(trained, tokens), []
+        assert self.work.tokens is not None
+        supplies, done = [], tokens
+        for their_tokens, plan in self.peers():
+            supply, why = share_of(plan, self.planner.deadline, self.work.tokens)
+            if supply is None:
+                if why not in self._ignored and why != "no shared plan":
+                    self._ignored.add(why)
+                    self.log.warning("deadline plan: a site's plan is left out of the shared one: %s", why)
+                continue
+            supplies.append(supply)
+            done += their_tokens
+        left_tokens = self.work.tokens - done
+        if left_tokens <= 0:
+            return 0.0, supplies
+        if trained <= 0 or tokens <= 0:
+            return None, supplies
+        return left_tokens * trained / tokens, supplies
 
     # ------------------------------------------------------------------ the node's lookups
 
@@ -93,12 +148,13 @@ class DeadlineSchedule:
 
     def current(self, t: float) -> Window | None:
         trained, tokens = self.progress()
-        if self.finished_at is None and self.work.left_s(trained, tokens) == 0.0:
+        left, supplies = self._left(trained, tokens)
+        if self.finished_at is None and left == 0.0:
             self.finished_at = t
             self.log.info("deadline plan: work done (%s) at %s", self.work.describe(), utc_minute(t))
         if self.finished_at is not None:
             return None
-        decision = self._decide(t, trained, tokens)
+        decision = self._decide(t, trained, tokens, left, supplies)
         if decision is None or not decision.trains():
             return None
         share = min(float(decision.allow_s[0]), decision.left_s)  # this step's part of the plan
@@ -130,8 +186,9 @@ class DeadlineSchedule:
 
     # ------------------------------------------------------------------ deciding
 
-    def _decide(self, t: float, trained: float, tokens: int) -> Decision | None:
-        left = self.work.left_s(trained, tokens)
+    def _decide(
+        self, t: float, trained: float, tokens: int, left: float | None, supplies: list[Supply]
+    ) -> Decision | None:
         d = self.decision
         measured = not (self._measuring and left is not None)  # a first rate replans at once
         if d is not None and d.begin <= t < d.end and measured:
@@ -147,6 +204,17 @@ class DeadlineSchedule:
             decision = self.planner.decide(trace, t, math.inf)
             decision = replace(decision, allow_s=decision.allow_s * 0.0 + (decision.end - decision.begin))
             decision = replace(decision, reason=MEASURING)
+        elif self.shared:  # in tokens, priced with the other sites' supply
+            rate = tokens / trained
+            decision = self.planner.decide(trace, t, left * rate, rate=rate, others=supplies)
+            self.partners = len(supplies)
+            if decision.supply is not None:
+                self.share = {
+                    "deadline": self.planner.deadline,
+                    "target": self.work.tokens,
+                    "values": list(decision.supply.values),
+                    "work_tokens": float(sum(decision.supply.work)),
+                }
         else:
             decision = self.planner.decide(trace, t, left)
         if isinstance(self.base, LiveSchedule) and t >= self.base.usable_until and decision.reason != FORCED:
@@ -159,7 +227,7 @@ class DeadlineSchedule:
 
     def _say(self, d: Decision, t: float) -> None:
         """One line when what the site does, or why, changes."""
-        key = (d.reason, d.trains())
+        key = (d.reason, d.trains(), self.partners)
         if key == self._said:
             return
         self._said = key
@@ -179,6 +247,8 @@ class DeadlineSchedule:
             nxt = utc_minute(d.next_start[0]) if d.next_start[0] is not None else "-"
             why = f"waiting: {value}, above the plan's price {d.price:.0f} g; next planned start {nxt}"
         left = f"{d.left_s / HOUR_S:,.1f} site-h left" if math.isfinite(d.left_s) else "rate unknown"
+        if self.shared:
+            left += f", shared with {self.partners} other site{'s' if self.partners != 1 else ''}"
         to_go = (self.planner.deadline - t) / HOUR_S
         self.log.info("deadline plan at %s: %s (%s, %.1f h to the deadline)", utc_minute(t), why, left, to_go)
 
@@ -200,6 +270,7 @@ class DeadlineSchedule:
             "met_deadline": self.finished_at is not None and self.finished_at <= self.planner.deadline,
             "decisions": self.decisions,
             "reasons": dict(self.reasons),
+            "shared": self.shared,
         }
         return out
 

@@ -76,4 +76,5 @@ def _deadline(
         margin=cfg.margin,
         threshold=cfg.threshold,
     )
-    return DeadlineSchedule(base, region, planner, Work(cfg.work_hours, cfg.work_tokens), log)
+    work = Work(cfg.work_hours, cfg.work_tokens)
+    return DeadlineSchedule(base, region, planner, work, log, shared=cfg.shared)
