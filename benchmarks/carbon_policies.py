@@ -54,8 +54,8 @@ def starts(trace, deadline_h: float, history_days: float = 14.0) -> list[float]:
 
 
 def one_case(trace, region: str, start: float, work_h: float, deadline_h: float, forecaster: str) -> dict:
-    # the choice of hours alone: training energy, no idle draw while waiting (a site whose GPUs do
-    # other work meanwhile), so that waiting is judged on when it trains, not on what it holds
+    # the choice of hours alone: training energy, no idle draw while waiting (simulate's default for
+    # deadline; a site whose GPUs do other work meanwhile), so waiting is judged on when it trains
     report = simulate(
         trace,
         [region],

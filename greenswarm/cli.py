@@ -239,8 +239,9 @@ def _parser() -> argparse.ArgumentParser:
         "--idle-kw",
         type=float,
         metavar="KW",
-        help="a site's draw while it waits (default: the policy's; the node's is 0.468, since it keeps "
-        "its model on the GPUs; 0 for GPUs that do other work meanwhile)",
+        help="a site's draw while it waits (default: the policy's -- greenswarm's is the node's 0.468, "
+        "since it keeps its model on the GPUs -- and 0 for deadline and foresight, which count the "
+        "hours they train; give the node's to model a deadline site that holds its GPUs)",
     )
     sim.add_argument(
         "--calibrate",

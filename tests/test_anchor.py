@@ -352,16 +352,16 @@ def test_simulated_policies_on_the_linear_anchor_trace(mci_linear) -> None:
 @pytest.mark.parametrize("reading", ["hold", "linear"])
 def test_deadline_policy_on_the_anchor_trace(reading: str, mci_hold, mci_linear) -> None:
     """The deadline policy, planning with the default noisy forecast, gets within 5 % of perfect
-    foresight; with the oracle it is foresight (the choice of hours: no idle draw while waiting, as
-    the yardstick has none). With only the past to go on it is the threshold policy (1.017 kg)."""
+    foresight; with the oracle it is foresight. With only the past to go on it is the threshold
+    policy (1.017 kg)."""
     trace = mci_hold if reading == "hold" else mci_linear
-    noisy = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78, idle_kw=0.0).report
+    noisy = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78).report
     assert noisy["finished"] is True and noisy["forecast"] == "noisy"
     assert noisy["emissions_kg"] == pytest.approx(noisy["foresight_kg"], rel=0.05)
-    oracle = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78, forecast="oracle", idle_kw=0.0).report
+    oracle = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78, forecast="oracle").report
     assert oracle["emissions_kg"] == pytest.approx(oracle["foresight_kg"], rel=1e-6)
     for past_only in ("profile", "climatology", "seasonal", "persistence"):
-        planned = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78, forecast=past_only, idle_kw=0.0)
+        planned = simulate(trace, ANCHOR_REGIONS, "deadline", work_h=17.78, forecast=past_only)
         assert planned.report["emissions_kg"] == pytest.approx(noisy["ideal_kg"], rel=0.01), past_only
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from greenswarm.console import pyplot, save_figure, wide_console
-from greenswarm.scheduler.config import ANCHOR_TRAIN_KW, EnergyConfig
+from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
 from greenswarm.scheduler.energy import baseline_emissions_g
 from greenswarm.scheduler.forecast import FileForecaster, Forecaster, NoisyForecaster, make_forecaster
 from greenswarm.simulation.deadline import deadline_runs, foresight_runs
@@ -112,10 +112,11 @@ def simulate(
     sites run to the end of the trace and the yardsticks are taken at the work they did. The
     ``deadline`` policy must finish by ``deadline_h`` hours after ``start`` (default: the trace's end)
     and plans with ``forecast``; perfect foresight, for every policy, picks the cleanest site-hours
-    before that deadline. ``threshold``, ``train_kw`` and ``idle_kw`` override the policy's; the
-    ``deadline`` and ``foresight`` sites are powered from ``start`` until their work is done, as a
-    node is, idling at ``idle_kw`` (default: the node's ``energy.idle_kw``; 0 for a site whose GPUs
-    do other work while it waits) between the hours they train. Each policy
+    before that deadline. ``threshold``, ``train_kw`` and ``idle_kw`` override the policy's. The
+    ``deadline`` and ``foresight`` policies count training alone by default, like the yardsticks
+    (the choice of hours); with ``idle_kw`` their sites are powered from ``start`` until their work
+    is done, idling at it between the hours they train, as a node that keeps its model on the GPUs
+    (``energy.idle_kw``, 0.468 kW by default) does. Each policy
     in ``compare`` is simulated on the same terms and summarised under ``compare`` (and plotted).
     """
     for region in regions:
@@ -145,8 +146,7 @@ def simulate(
     else:
         forecaster = make_forecaster(forecast)
     runs = _runs_for(policy, trace, regions, start, deadline, work_s, train_kw, forecaster, margin, threshold)
-    if isinstance(policy, str):
-        idle_kw = EnergyConfig().idle_kw if idle_kw is None else idle_kw
+    if isinstance(policy, str) and idle_kw:
         hold_idle(runs, start, deadline, idle_kw)
     end, done = _finish(runs, work_s, start, deadline if isinstance(policy, str) else trace.end)
     totals = account(runs, trace, threshold)

@@ -1,0 +1,82 @@
+"""``simulate --calibrate`` and ``--idle-kw``: figures read from a run directory; errors name the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from greenswarm.errors import ConfigError
+from greenswarm.simulation.calibrate import calibrate
+from greenswarm.simulation.policies import load_policy
+from greenswarm.simulation.report import simulate
+from greenswarm.traces.trace import Trace
+
+pytestmark = pytest.mark.deadline
+
+H = 3600.0
+
+
+def _site(
+    root: Path, name: str, *, blocked: list[float], speedup: float = 100.0, idle_h: float = 2.0
+) -> None:
+    site = root / name
+    site.mkdir(parents=True)
+    summary = {
+        "seconds_by_state": {"IDLE": idle_h * H, "SOLO": 1 * H, "FEDERATED": 3 * H},
+        "kwh_by_state": {"IDLE": 0.3 * idle_h, "SOLO": 2.5, "FEDERATED": 7.5},
+        "clock_speedup": speedup,
+        "sync_interval_s": 600.0,
+    }
+    (site / "summary.json").write_text(json.dumps(summary))
+    lines = [json.dumps({"action": "apply", "round_s": 2.0, "blocked_s": b}) for b in blocked]
+    lines += [json.dumps({"action": "solo", "round_s": None, "blocked_s": 9.0}), '{"torn']
+    (site / "rounds.jsonl").write_text("\n".join(lines))
+
+
+def test_calibration_pools_the_sites_of_a_run(tmp_path: Path) -> None:
+    _site(tmp_path, "a", blocked=[0.01, 0.02, 0.03])
+    _site(tmp_path, "b", blocked=[0.05, 0.5])
+    cal = calibrate(tmp_path)
+    assert cal.sites == 2 and cal.federated_rounds == 5
+    assert cal.train_kw == pytest.approx(2.5) and cal.idle_kw == pytest.approx(0.3)
+    assert cal.round_s == 600.0 and cal.round_overhead_s == pytest.approx(3.0)  # 0.03 s wall x 100
+    policy = cal.apply(load_policy("greenswarm"))
+    assert (policy.energy.train_kw, policy.energy.idle_kw) == (pytest.approx(2.5), pytest.approx(0.3))
+    assert policy.provisioning.round_overhead_s == pytest.approx(3.0)
+    assert calibrate(tmp_path / "a").sites == 1  # one site's run_dir works too
+
+
+def test_a_run_that_cannot_say_keeps_the_policys_figures(tmp_path: Path) -> None:
+    _site(tmp_path, "a", blocked=[], idle_h=0.0)
+    cal = calibrate(tmp_path)
+    assert cal.idle_kw is None and cal.round_overhead_s is None
+    assert any("round pause kept" in n for n in cal.notes) and any("idle_kw kept" in n for n in cal.notes)
+    policy = cal.apply(load_policy("greenswarm"))
+    assert policy.energy.idle_kw == 0.468 and policy.provisioning.round_overhead_s == 1.0
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda p: p / "missing", "is not a directory"),
+        (lambda p: p, "holds no summary.json"),
+        (lambda p: (p / "s").mkdir() or (p / "s" / "summary.json").write_text("{}") and p, "kwh_by_state"),
+    ],
+)
+def test_calibrate_errors_name_the_flag(tmp_path: Path, make, words: str) -> None:
+    with pytest.raises(ConfigError, match=words) as err:
+        calibrate(make(tmp_path))
+    assert err.value.where == "--calibrate"
+
+
+def test_a_deadline_site_that_holds_its_gpus_pays_for_the_wait() -> None:
+    times = H * np.arange(6)
+    trace = Trace(times, {"A": np.array([300.0, 300.0, 300.0, 10.0, 10.0, 300.0])}, H, "t")
+    plain = simulate(trace, ["A"], "deadline", work_h=2.0, forecast="oracle").report
+    held = simulate(trace, ["A"], "deadline", work_h=2.0, forecast="oracle", idle_kw=0.5).report
+    assert plain["emissions_kg"] == pytest.approx(2.024 * 10 * 2 / 1000)
+    # idle from the start until the clean hours, 3 h at 300 g
+    assert held["emissions_kg"] == pytest.approx(plain["emissions_kg"] + 0.5 * 300 * 3 / 1000)
