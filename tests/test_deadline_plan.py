@@ -311,7 +311,7 @@ def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> Non
         schedules[r] = DeadlineSchedule(
             trace, r, planner, Work(tokens=target), logging.getLogger(f"t.{r}"), shared=True
         )
-        peer = lambda other=other: [(progress[other]()[1], schedules[other].share)]  # noqa: E731
+        peer = lambda other=other: [(other, progress[other]()[1], schedules[other].share)]  # noqa: E731
         schedules[r].bind(progress[r], peers=peer)
     trained: dict[str, list] = {"A": [], "B": []}
     t = start
@@ -334,3 +334,113 @@ def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> Non
     joint = deadline_runs(trace, ["A", "B"], target, start, deadline, ProfileForecaster(), 1.0, cap=250.0)
     joint_g = sum(t.emissions_g for t in account(joint, trace, 250.0))
     assert swarm_g == pytest.approx(joint_g, rel=0.03)
+
+
+def _pair(target: int, start: float, deadline: float) -> tuple[dict, dict]:
+    trace = _trace(30, regions=("A", "B"))
+    progress = {r: FakeProgress(tokens_per_s=1.0) for r in "AB"}
+    schedules: dict[str, DeadlineSchedule] = {}
+    for r, other in (("A", "B"), ("B", "A")):
+        planner = DeadlinePlanner(ProfileForecaster(), [r], deadline, threshold=250.0)
+        schedules[r] = DeadlineSchedule(
+            trace, r, planner, Work(tokens=target), logging.getLogger(f"t.{r}"), shared=True
+        )
+        peer = lambda other=other: [(other, progress[other]()[1], schedules[other].share)]  # noqa: E731
+        schedules[r].bind(progress[r], peers=peer)
+    return schedules, progress
+
+
+def test_a_shared_target_no_site_could_meet_alone_is_met_once() -> None:
+    """70 % of both sites' hours: alone each would be forced from the start; together they plan, and
+    stop at the target rather than each training its whole horizon."""
+    start = T0 + 21 * DAY_S + 7 * HOUR
+    deadline = start + 24 * HOUR
+    target = int(0.7 * 2 * 24 * 3600)
+    schedules, progress = _pair(target, start, deadline)
+    t = start
+    while t < deadline + HOUR and not all(s.finished() for s in schedules.values()):
+        for r, schedule in schedules.items():
+            if (window := schedule.current(t)) is not None:
+                progress[r].trained += min(60.0, window.end - t)
+        t += 60.0
+    for schedule in schedules.values():
+        schedule.current(t)
+    assert all(s.finished() and s.plan()["met_deadline"] for s in schedules.values())
+    total = sum(p()[1] for p in progress.values())
+    assert target <= total <= target + 2 * 120, total  # at most a minute per site beyond it
+
+
+def test_a_peer_that_leaves_keeps_the_tokens_it_trained() -> None:
+    trace = _trace(30)
+    start = T0 + 21 * DAY_S
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], start + 48 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(
+        trace, "A", planner, Work(tokens=10_000), logging.getLogger("t.l"), shared=True
+    )
+    plan = {
+        "deadline": start + 48 * HOUR,
+        "target": 10_000,
+        "values": [100.0],
+        "work_tokens": 5e4,
+        "at": start,
+    }
+    seen = [[("B", 9_000, plan), ("B", 4_000, plan)]]  # a restart: an old record beside the new one
+    schedule.bind(FakeProgress(tokens_per_s=1.0), peers=lambda: seen[0])
+    assert schedule._left(100.0, 100, start)[0] == pytest.approx(900.0)  # 10,000 - 100 - 9,000 tokens
+    seen[0] = []  # B's records expired
+    assert schedule._left(100.0, 100, start)[0] == pytest.approx(900.0)
+
+
+@pytest.mark.parametrize("hours", [0.37, 1.11, 2.5, 3.33, 4.07, 5.9, 7.77])
+def test_a_site_always_finishes_what_it_can(hours: float) -> None:
+    trace = _trace(30)
+    start = T0 + 21 * DAY_S + 3 * HOUR + 17.3
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], start + 30 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(trace, "A", planner, Work(hours=hours), logging.getLogger("t.f"))
+    progress = FakeProgress()
+    schedule.bind(progress)
+    _follow(schedule, progress, start, start + 30 * HOUR, 37.0)
+    assert schedule.finished() and progress.trained == pytest.approx(hours * HOUR)
+
+
+def test_past_the_deadline_with_work_left_the_site_trains_until_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trace = _trace(30)
+    start = T0 + 21 * DAY_S
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], start + 3 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(trace, "A", planner, Work(hours=5.0), logging.getLogger("t.late"))
+    progress = FakeProgress()
+    schedule.bind(progress)
+    with caplog.at_level(logging.INFO, logger="t.late"):
+        _follow(schedule, progress, start, start + 10 * HOUR, 60.0)
+    assert schedule.finished() and progress.trained == pytest.approx(5 * HOUR)
+    assert schedule.plan()["met_deadline"] is False and schedule.plan()["reasons"]["late"] >= 2
+    assert "the deadline has passed with work left" in caplog.text
+
+
+def test_without_any_signal_only_the_deadline_makes_a_site_train() -> None:
+    class Silent:
+        name, resolution_s, end = "silent", 3600.0, math.inf
+
+        def read(self, since, now):  # noqa: ANN001, ANN201
+            raise ConnectionError("no answer")
+
+        def history(self, start, end):  # noqa: ANN001, ANN201
+            raise ConnectionError("no answer")
+
+        def close(self) -> None:
+            pass
+
+    clock = [T0]
+    feed = LiveFeed(Silent(), lambda: clock[0], 600.0, logging.getLogger("t.silent"))  # type: ignore[arg-type]
+    live = LiveSchedule(
+        feed, "A", HysteresisPolicy(250.0), on_loss="pause", max_staleness_s=HOUR, grace_s=600.0,
+        log=logging.getLogger("t.silent"),
+    )  # fmt: skip
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], T0 + 5 * HOUR, threshold=250.0)
+    schedule = DeadlineSchedule(live, "A", planner, Work(hours=2.0), logging.getLogger("t.silent"))
+    progress = FakeProgress()
+    schedule.bind(progress)
+    trained = _follow(schedule, progress, T0, T0 + 5 * HOUR, 60.0)
+    assert schedule.finished() and trained[0][0] == pytest.approx(T0 + 3 * HOUR, abs=61.0)

@@ -47,7 +47,7 @@ class ProgressRecord:
     wire: str | None = None  # wire format of the last averaged round (auto picks one per round)
     refused: int = 0  # groupmates' updates this site refused so far (NaN/Inf, norm far outside the group's)
     next_start: float | None = None  # policy: deadline: clock time the plan next trains (None: no plan)
-    # a shared deadline: {deadline, target, values, work_tokens} -- what this site can still train, how clean
+    # a shared deadline {deadline, target, values, work_tokens, at}: what it can still train, how clean
     plan: dict[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ class PlanModel(pyd.BaseModel):
     target: pyd.conint(strict=True, ge=1)  # type: ignore[valid-type]
     values: pyd.conlist(pyd.StrictFloat, max_items=64)  # type: ignore[valid-type]
     work_tokens: pyd.confloat(strict=True, ge=0)  # type: ignore[valid-type]
+    at: pyd.StrictFloat  # clock time it was planned: the part of its horizon since then is gone
 
     class Config:
         extra = pyd.Extra.forbid

@@ -282,7 +282,12 @@ class SiteNode:
             cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log,
             background=averaging.overlap,  # rounds beside training: checkpoints written beside it too
         )  # fmt: skip
-        self.checkpoints.resume()
+        if self.checkpoints.resume() and (gap := self.ledger.skip_to(self.clock.now())) > 0:
+            self.log.info(
+                "energy: not booking the %.1f h between the checkpoint and this start (the site's draw "
+                "then is unknown)",
+                gap / 3600.0,
+            )
         self.swarm, self.membership = join_swarm(
             cfg, outer.numel, self.global_state.served, self.faults, self.log
         )
@@ -329,11 +334,12 @@ class SiteNode:
         trained = self.ledger.seconds[SOLO.value] + self.ledger.seconds[FEDERATED.value]
         return trained, self.stats.tokens
 
-    def _plan_peers(self) -> list[tuple[int, dict | None]]:
-        """The other sites' tokens and published plans, from their progress records (a shared deadline)."""
+    def _plan_peers(self) -> list[tuple[str, int, dict | None]]:
+        """The other sites' names, tokens and published plans, from their progress records (a shared
+        deadline)."""
         if self.swarm is None:
             return []
-        return [(r.tokens, r.plan) for r in self.swarm.view.others()]
+        return [(r.site, r.tokens, r.plan) for r in self.swarm.view.others()]
 
     def _slot_of(self, t: float) -> int:
         return int(t // self.cfg.averaging.sync_interval_s)

@@ -102,6 +102,7 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "seconds_by_state": dict(node.ledger.seconds),
         "kwh_by_state": dict(node.ledger.kwh),
         "emissions_g_by_state": dict(node.ledger.grams),
+        "unbooked_s": node.ledger.unbooked_s,  # skipped at restarts: the site's draw then is unknown
         # what `greenswarm simulate --calibrate` needs to turn this run's wall seconds into clock seconds
         "clock_speedup": float(getattr(node.clock, "speedup", 1.0)),
         "sync_interval_s": node.cfg.averaging.sync_interval_s,

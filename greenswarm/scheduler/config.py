@@ -31,13 +31,13 @@ CLOCK_KINDS: tuple[str, ...] = get_args(ClockKind)
 PowerSource = Literal["auto", "config", "nvml"]
 POWER_SOURCES: tuple[str, ...] = get_args(PowerSource)
 
-#: kW a site draws while training unless its config says otherwise: the curtail-llm anchor's
-#: figure, which its paper's kWh and kg and every greenswarm comparison with it use.
 #: ``scheduler.policy``: a window rule, or a plan to finish the work by a deadline
 POLICIES = ("threshold", "deadline")
 #: forecasters a running site can use (the rest read the trace's future)
 PAST_ONLY = ("profile", "climatology", "seasonal", "persistence")
 
+#: kW a site draws while training unless its config says otherwise: the curtail-llm anchor's
+#: figure, which its paper's kWh and kg and every greenswarm comparison with it use.
 ANCHOR_TRAIN_KW = 2.024
 #: kW the anchor's sites drew while provisioned but not training (its ``curtail-llm`` policy's idle).
 ANCHOR_IDLE_KW = 0.468

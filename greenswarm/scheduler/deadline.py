@@ -40,7 +40,9 @@ PLAN_RETENTION_S = 35 * DAY_S
 QUANTILES = 24
 
 #: why a site trains or waits in a step, as the node logs it and the simulator counts it
-PLAN, FORCED, FALLBACK, DONE = "plan", "forced", "threshold-fallback", "done"
+PLAN, FORCED, FALLBACK, DONE, LATE = "plan", "forced", "threshold-fallback", "done", "late"
+#: seconds of work left that count as none (clock arithmetic at ~1.7e9 s rounds to ~1e-7 s)
+DONE_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Decision:
     allow_s: np.ndarray  # per site: seconds of this step to train (0 .. end - begin)
     now: np.ndarray  # per site: the value in force now (gCO2/kWh)
     price: float  # the plan's marginal value: a site trains now below it (inf when forced)
-    reason: str  # PLAN, FORCED, FALLBACK or DONE
+    reason: str  # PLAN, FORCED, FALLBACK, DONE or LATE (or the schedule's own)
     next_start: list[float | None]  # per site: the first later step the plan chooses (None: none)
     left_s: float  # seconds of this site's training the work left amounts to, when decided
     supply: Supply | None = None  # the first site's own supply, as it publishes it (a plan only)
@@ -93,7 +95,7 @@ class DeadlinePlanner:
         i = int(np.searchsorted(trace.times, now, side="right")) - 1
         base = float(trace.times[i]) if i >= 0 else float(trace.times[0])
         end = base + res * (math.floor((now - base) / res) + 1)
-        return now, min(end, self.deadline)
+        return now, min(end, self.deadline) if now < self.deadline else end
 
     def decide(
         self,
@@ -117,9 +119,11 @@ class DeadlinePlanner:
         known = known_until(trace, now) if past_only else trace
         present = np.array([values_at(known, r, np.array([now]))[0] for r in self.regions])
         left_s = max(left, 0.0) / rate
-        if left <= 1e-9 or end <= begin:
+        if left_s <= DONE_S:
             return Decision(begin, end, np.zeros(n), present, math.inf, DONE, [None] * n, left_s)
         step = end - begin
+        if now >= self.deadline:  # past it with work left: train until done
+            return Decision(begin, end, np.full(n, step), present, math.inf, LATE, [None] * n, left_s)
         future_b = np.arange(end, self.deadline, trace.resolution_s, dtype=np.float64)
         future_e = np.minimum(future_b + trace.resolution_s, self.deadline)
         own = np.concatenate([np.full(n, step), np.tile(future_e - future_b, n)]) * rate

@@ -22,7 +22,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from greenswarm.scheduler.deadline import DONE, FALLBACK, FORCED, DeadlinePlanner, Decision, Supply
+import numpy as np
+
+from greenswarm.scheduler.deadline import (
+    DONE,
+    DONE_S,
+    FALLBACK,
+    FORCED,
+    LATE,
+    DeadlinePlanner,
+    Decision,
+    Supply,
+)
 from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import Window
 from greenswarm.timefmt import utc_minute
@@ -30,6 +41,7 @@ from greenswarm.traces.trace import Trace
 
 HOUR_S = 3600.0
 MEASURING, SIGNAL_LOST = "measuring-throughput", "signal-lost"
+BLIND_STEP_S = 60.0  # without a signal the site decides again every clock minute
 
 
 @dataclass(frozen=True)
@@ -56,26 +68,30 @@ class Work:
 
 #: (clock seconds trained so far, tokens trained so far): the node's own counts
 Progress = Callable[[], tuple[float, int]]
-#: the other sites of the swarm: (tokens they trained, the plan they publish or None), from their records
-Peers = Callable[[], list[tuple[int, dict | None]]]
+#: the other sites of the swarm: (site name, tokens it trained, the plan it publishes or None), from
+#: their progress records
+Peers = Callable[[], list[tuple[str, int, dict | None]]]
 
 
-def share_of(plan: dict | None, deadline: float, target: int) -> tuple[Supply | None, str]:
-    """A peer's published plan as a :class:`Supply`, if it shares this site's deadline and target
-    (and why not, otherwise)."""
+def share_of(plan: dict | None, deadline: float, target: int, now: float) -> tuple[bool, Supply | None, str]:
+    """Whether a peer's published plan shares this site's deadline and target, its supply as a
+    :class:`Supply` (trimmed to the part of its horizon still ahead at ``now``; None when it
+    published none), and why it is left out, otherwise."""
     if not isinstance(plan, dict):
-        return None, "no shared plan"
+        return False, None, "no shared plan"
     try:
         same = float(plan["deadline"]) == deadline and int(plan["target"]) == target
         values = [float(v) for v in plan["values"]]
-        total = float(plan["work_tokens"])
+        total, at = float(plan["work_tokens"]), float(plan["at"])
     except (KeyError, TypeError, ValueError):
-        return None, "a malformed plan"
+        return False, None, "a malformed plan"
     if not same:
-        return None, f"another deadline or target ({plan.get('deadline')}, {plan.get('target')})"
-    if not values or not (math.isfinite(total) and total >= 0) or not all(math.isfinite(v) for v in values):
-        return None, "an empty plan"
-    return Supply(tuple(values), tuple([total / len(values)] * len(values))), ""
+        return False, None, f"another deadline or target ({plan.get('deadline')}, {plan.get('target')})"
+    finite = all(math.isfinite(v) for v in [*values, total, at])
+    if not values or not finite or total <= 0:
+        return True, None, ""
+    ahead = min(max((deadline - now) / (deadline - at), 0.0), 1.0) if deadline > at else 0.0
+    return True, Supply(tuple(values), tuple([total * ahead / len(values)] * len(values))), ""
 
 
 class DeadlineSchedule:
@@ -98,6 +114,7 @@ class DeadlineSchedule:
         self.peers: Peers = list
         self.share: dict | None = None  # what this site publishes in its progress record (shared plans)
         self.partners = 0  # sites whose plans the last decision priced with
+        self._peer_tokens: dict[str, int] = {}  # the most tokens each sharing site has shown
         self._ignored: set[str] = set()
         self.end = base.end
         self.progress: Progress = lambda: (0.0, 0)
@@ -116,23 +133,27 @@ class DeadlineSchedule:
         if peers is not None:
             self.peers = peers
 
-    def _left(self, trained: float, tokens: int) -> tuple[float | None, list[Supply]]:
+    def _left(self, trained: float, tokens: int, t: float) -> tuple[float | None, list[Supply]]:
         """Seconds of this site's training the work left amounts to (None: rate not yet measured), and
-        the other sites' supplies when the plan is shared."""
+        the other sites' supplies when the plan is shared.
+
+        A peer's tokens count while it shares the deadline and target, at the most it ever showed:
+        a site that stopped, or restarted under a new record, keeps what it trained."""
         if not self.shared:
             return self.work.left_s(trained, tokens), []
         assert self.work.tokens is not None
-        supplies, done = [], tokens
-        for their_tokens, plan in self.peers():
-            supply, why = share_of(plan, self.planner.deadline, self.work.tokens)
-            if supply is None:
+        supplies = []
+        for site, their_tokens, plan in self.peers():
+            shares, supply, why = share_of(plan, self.planner.deadline, self.work.tokens, t)
+            if not shares:
                 if why not in self._ignored and why != "no shared plan":
                     self._ignored.add(why)
-                    self.log.warning("deadline plan: a site's plan is left out of the shared one: %s", why)
+                    self.log.warning("deadline plan: %s's plan is left out of the shared one: %s", site, why)
                 continue
-            supplies.append(supply)
-            done += their_tokens
-        left_tokens = self.work.tokens - done
+            self._peer_tokens[site] = max(self._peer_tokens.get(site, 0), int(their_tokens))
+            if supply is not None:
+                supplies.append(supply)
+        left_tokens = self.work.tokens - tokens - sum(self._peer_tokens.values())
         if left_tokens <= 0:
             return 0.0, supplies
         if trained <= 0 or tokens <= 0:
@@ -148,8 +169,8 @@ class DeadlineSchedule:
 
     def current(self, t: float) -> Window | None:
         trained, tokens = self.progress()
-        left, supplies = self._left(trained, tokens)
-        if self.finished_at is None and left == 0.0:
+        left, supplies = self._left(trained, tokens, t)
+        if self.finished_at is None and left is not None and left <= DONE_S:
             self.finished_at = t
             self.log.info("deadline plan: work done (%s) at %s", self.work.describe(), utc_minute(t))
         if self.finished_at is not None:
@@ -169,16 +190,21 @@ class DeadlineSchedule:
         return self.current(t) is not None
 
     def next_window(self, t: float) -> Window | None:
-        """The next plan is made at the next step: the site polls (``scheduler.poll_s``) until then."""
-        return None
+        """The next plan is made at the next step: a waiting site wakes for it (or at its next poll)."""
+        d = self.decision
+        if d is None or self.finished_at is not None or not d.begin <= t < d.end:
+            return None
+        return Window(d.end, d.end)
 
     @property
     def next_start(self) -> float | None:
         """When the plan now in force next chooses to train (None: not planned, or done)."""
         d = self.decision
-        if d is None or d.reason == DONE:
+        if d is None or d.reason == DONE or self.finished_at is not None:
             return None
-        return d.begin if d.trains() else d.next_start[0]
+        trained, _ = self.progress()
+        training_now = d.trains() and trained - self._trained_at_decision < float(d.allow_s[0]) - DONE_S
+        return d.begin if training_now else d.next_start[0]
 
     def finished(self) -> bool:
         """The work is done (the node stops; a site with nothing left to train draws nothing)."""
@@ -197,33 +223,51 @@ class DeadlineSchedule:
         if isinstance(self.base, LiveSchedule):
             self.base.refresh(t)
             trace = self.base.trace
-        if trace is None:
-            return None
         self._measuring = left is None
-        if left is None:  # tokens to do and no rate yet: train (a step) to measure it
+        rate = tokens / trained if self.work.tokens is not None and trained > 0 and tokens > 0 else 1.0
+        if trace is None:  # no signal at all: only the deadline can make the site train
+            decision = self._blind(t, left)
+        elif left is None:  # tokens to do and no rate yet: train (a step) to measure it
             decision = self.planner.decide(trace, t, math.inf)
             decision = replace(decision, allow_s=decision.allow_s * 0.0 + (decision.end - decision.begin))
             decision = replace(decision, reason=MEASURING)
         elif self.shared:  # in tokens, priced with the other sites' supply
-            rate = tokens / trained
             decision = self.planner.decide(trace, t, left * rate, rate=rate, others=supplies)
-            self.partners = len(supplies)
-            if decision.supply is not None:
-                self.share = {
-                    "deadline": self.planner.deadline,
-                    "target": self.work.tokens,
-                    "values": list(decision.supply.values),
-                    "work_tokens": float(sum(decision.supply.work)),
-                }
         else:
             decision = self.planner.decide(trace, t, left)
-        if isinstance(self.base, LiveSchedule) and t >= self.base.usable_until and decision.reason != FORCED:
+        if self.shared:
+            self.partners = len(supplies)
+            self.share = self._share(decision, t, rate if left is not None else 0.0)
+        lost = isinstance(self.base, LiveSchedule) and t >= self.base.usable_until
+        if lost and decision.reason not in (FORCED, LATE, SIGNAL_LOST):
             decision = replace(decision, allow_s=decision.allow_s * 0.0, reason=SIGNAL_LOST)
         self.decision, self._trained_at_decision = decision, trained
         self.decisions += 1
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         self._say(decision, t)
         return decision
+
+    def _blind(self, t: float, left: float | None) -> Decision:
+        """A decision without any signal (a feed that never delivered): wait, unless the work left no
+        longer fits before the deadline; decided again a minute later."""
+        slack = self.planner.deadline - t
+        forced = left is not None and left >= slack - DONE_S
+        allow = np.array([BLIND_STEP_S if forced else 0.0])
+        reason = (LATE if t >= self.planner.deadline else FORCED) if forced else SIGNAL_LOST
+        return Decision(
+            t, t + BLIND_STEP_S, allow, np.array([math.nan]), math.inf, reason, [None], left or 0.0
+        )
+
+    def _share(self, d: Decision, t: float, rate: float) -> dict:
+        """What this site publishes for the others: its supply (its forecast by parts) when it planned,
+        else its present value for the time left, at the rate it measured (0 while measuring)."""
+        if d.supply is not None:
+            values, work = list(d.supply.values), float(sum(d.supply.work))
+        else:
+            now = float(d.now[0]) if math.isfinite(float(d.now[0])) else 0.0
+            values, work = [now], rate * max(self.planner.deadline - t, 0.0)
+        return {"deadline": self.planner.deadline, "target": self.work.tokens, "values": values,
+                "work_tokens": float(work), "at": float(t)}  # fmt: skip
 
     def _say(self, d: Decision, t: float) -> None:
         """One line when what the site does, or why, changes."""
@@ -236,6 +280,8 @@ class DeadlineSchedule:
             why = f"training to measure the throughput ({self.work.describe()} to do)"
         elif d.reason == FORCED:
             why = "training: the work left no longer fits before the deadline otherwise"
+        elif d.reason == LATE:
+            why = "training: the deadline has passed with work left; until it is done"
         elif d.reason == FALLBACK:
             what = "training" if d.trains() else "waiting"
             why = f"{what} by the threshold ({value} vs {d.price:.0f} g): under a day of history to plan on"

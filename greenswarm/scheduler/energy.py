@@ -192,6 +192,7 @@ class EnergyLedger:
         self.seconds: dict[str, float] = {state.value: 0.0 for state in SiteState}
         self.kwh: dict[str, float] = {state.value: 0.0 for state in SiteState}  # energy by state
         self.grams: dict[str, float] = {state.value: 0.0 for state in SiteState}  # emissions by state
+        self.unbooked_s = 0.0  # clock seconds skipped at restarts (see skip_to)
 
     def advance(self, t: float, state: SiteState) -> None:
         """Book the interval from the previous call (or ``start``) to ``t`` as spent in ``state``.
@@ -211,6 +212,14 @@ class EnergyLedger:
         self.grams[SiteState(state).value] += grams
         self.t = float(t)
 
+    def skip_to(self, t: float) -> float:
+        """Move to ``t`` without booking the time in between (a restart: what the site drew between
+        its checkpoint and now, and in which state, is unknown); the seconds skipped."""
+        gap = max(0.0, float(t) - self.t)
+        self.t = max(self.t, float(t))
+        self.unbooked_s += gap
+        return gap
+
     @property
     def trace(self) -> Trace | None:
         """The intensity this ledger books against now."""
@@ -225,6 +234,7 @@ class EnergyLedger:
             "seconds": dict(self.seconds),
             "kwh": dict(self.kwh),
             "grams": dict(self.grams),
+            "unbooked_s": self.unbooked_s,
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -244,6 +254,7 @@ class EnergyLedger:
             raise ValueError("malformed energy ledger state: non-finite number")
         self.t, self.energy_kwh, self.emissions_g, self.seconds = t, energy, emissions, seconds
         self.kwh, self.grams = kwh, grams
+        self.unbooked_s = float(d.get("unbooked_s", 0.0))
 
 
 def baseline_emissions_g(trace: Trace, region: str, t0: float, t1: float, kw: float) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,9 +31,6 @@ from greenswarm.scheduler.policy import Window, WindowPolicy
 from greenswarm.signals.feed import LiveFeed, Observed
 from greenswarm.timefmt import utc_minute
 from greenswarm.traces.trace import Trace
-
-if TYPE_CHECKING:
-    pass
 
 FRESH, STALE, LOST = "fresh", "stale", "lost"
 
