@@ -297,13 +297,8 @@ def test_a_lost_signal_waits_until_the_deadline_forces_it() -> None:
     assert schedule.finished() and schedule.plan()["met_deadline"]
 
 
-def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> None:
-    """Two sites, one token target and one deadline: each prices the swarm's work with the other's
-    published supply, so the cleaner region trains more, the target is met by the deadline, and
-    the swarm emits what the simulator's joint plan (spatial and temporal) emits, within 3 %."""
-    trace = _trace(30, regions=("A", "B"))
-    start, deadline = T0 + 21 * DAY_S + 7 * HOUR, T0 + 21 * DAY_S + 55 * HOUR
-    target = 24 * 3600  # tokens, at one token a second: 24 site-hours between them
+def _pair(trace: Trace, target: int, deadline: float) -> tuple[dict, dict]:
+    """Sites A and B sharing ``target`` tokens by ``deadline``, each reading the other's record."""
     progress = {r: FakeProgress(tokens_per_s=1.0) for r in "AB"}
     schedules: dict[str, DeadlineSchedule] = {}
     for r, other in (("A", "B"), ("B", "A")):
@@ -313,6 +308,17 @@ def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> Non
         )
         peer = lambda other=other: [(other, progress[other]()[1], schedules[other].share)]  # noqa: E731
         schedules[r].bind(progress[r], peers=peer)
+    return schedules, progress
+
+
+def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> None:
+    """Two sites, one token target and one deadline: each prices the swarm's work with the other's
+    published supply, so the cleaner region trains more, the target is met by the deadline, and
+    the swarm emits what the simulator's joint plan (spatial and temporal) emits, within 3 %."""
+    trace = _trace(30, regions=("A", "B"))
+    start, deadline = T0 + 21 * DAY_S + 7 * HOUR, T0 + 21 * DAY_S + 55 * HOUR
+    target = 24 * 3600  # tokens, at one token a second: 24 site-hours between them
+    schedules, progress = _pair(trace, target, deadline)
     trained: dict[str, list] = {"A": [], "B": []}
     t = start
     while t < deadline and not all(s.finished() for s in schedules.values()):
@@ -336,27 +342,13 @@ def test_sites_sharing_a_target_train_the_cleanest_hours_of_all_regions() -> Non
     assert swarm_g == pytest.approx(joint_g, rel=0.03)
 
 
-def _pair(target: int, start: float, deadline: float) -> tuple[dict, dict]:
-    trace = _trace(30, regions=("A", "B"))
-    progress = {r: FakeProgress(tokens_per_s=1.0) for r in "AB"}
-    schedules: dict[str, DeadlineSchedule] = {}
-    for r, other in (("A", "B"), ("B", "A")):
-        planner = DeadlinePlanner(ProfileForecaster(), [r], deadline, threshold=250.0)
-        schedules[r] = DeadlineSchedule(
-            trace, r, planner, Work(tokens=target), logging.getLogger(f"t.{r}"), shared=True
-        )
-        peer = lambda other=other: [(other, progress[other]()[1], schedules[other].share)]  # noqa: E731
-        schedules[r].bind(progress[r], peers=peer)
-    return schedules, progress
-
-
 def test_a_shared_target_no_site_could_meet_alone_is_met_once() -> None:
     """70 % of both sites' hours: alone each would be forced from the start; together they plan, and
     stop at the target rather than each training its whole horizon."""
     start = T0 + 21 * DAY_S + 7 * HOUR
     deadline = start + 24 * HOUR
     target = int(0.7 * 2 * 24 * 3600)
-    schedules, progress = _pair(target, start, deadline)
+    schedules, progress = _pair(_trace(30, regions=("A", "B")), target, deadline)
     t = start
     while t < deadline + HOUR and not all(s.finished() for s in schedules.values()):
         for r, schedule in schedules.items():
