@@ -18,7 +18,8 @@ nothing (``run_at_once == foresight``) has no captured share and is left out of 
     python benchmarks/carbon_policies.py --trace-dir ../shared/data/traces/electricitymaps-2023 [--json]
 
 JSON keys per forecaster: ``forecasters.<name>.median_captured``, ``p10_captured``,
-``worst_captured``, ``worst_vs_run_at_once``, ``missed_deadlines``, ``cases``.
+``worst_captured``, ``worst_vs_run_at_once``, ``missed_deadlines``, ``cases``; and
+``median_vs_run_at_once``, ``worse_than_run_at_once`` and ``worse_by_2pct`` (counts of cases).
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def summarise(cases: list[dict]) -> dict:
         "p10_captured": float(np.percentile(captured, 10)) if captured.size else None,
         "worst_captured": float(captured.min()) if captured.size else None,
         "worst_vs_run_at_once": max(ratios) if ratios else None,
+        "median_vs_run_at_once": float(np.median(ratios)) if ratios else None,
+        "worse_than_run_at_once": sum(r > 1.0 + 1e-9 for r in ratios),
+        "worse_by_2pct": sum(r > 1.02 for r in ratios),
         "missed_deadlines": sum(not c["finished"] for c in cases),
         "cases": len(cases),
     }
