@@ -4,8 +4,10 @@ the node's loop follows to the same emissions the simulator books."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -436,3 +438,31 @@ def test_without_any_signal_only_the_deadline_makes_a_site_train() -> None:
     schedule.bind(progress)
     trained = _follow(schedule, progress, T0, T0 + 5 * HOUR, 60.0)
     assert schedule.finished() and trained[0][0] == pytest.approx(T0 + 3 * HOUR, abs=61.0)
+
+
+def test_the_policy_grid_benchmark_reports_its_keys(tmp_path: Path) -> None:
+    """``benchmarks/carbon_policies.py`` on two small zone files: every documented key, per forecaster."""
+    import subprocess
+    import sys
+
+    from tests.conftest import write_trace
+
+    rng = np.random.default_rng(1)
+    for zone in ("XA", "XB"):
+        hours = 60 * 24
+        values = 300 - 150 * np.clip(np.cos(np.arange(hours) % 24 / 24 * 2 * np.pi - np.pi), 0, None)
+        write_trace(tmp_path / f"{zone}.csv", {zone: list(values + rng.normal(0, 20, hours))},
+                    start="2023-01-01T00:00:00Z", step_s=3600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "benchmarks/carbon_policies.py"), "--trace-dir",
+         str(tmp_path), "--shapes", "24h-in-72h", "--forecasters", "persistence,profile", "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    for name in ("persistence", "profile"):
+        got = result["forecasters"][name]
+        assert got["cases"] == 4 and got["missed_deadlines"] == 0  # 2 zones x Jan 15, Feb 15
+        for key in ("median_captured", "p10_captured", "worst_captured", "worst_vs_run_at_once",
+                    "median_vs_run_at_once", "worse_than_run_at_once", "worse_by_2pct"):  # fmt: skip
+            assert key in got, key
+    assert result["forecasters"]["persistence"]["worst_vs_run_at_once"] == pytest.approx(1.0)
