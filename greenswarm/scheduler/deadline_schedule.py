@@ -153,12 +153,8 @@ class DeadlineSchedule:
             self._peer_tokens[site] = max(self._peer_tokens.get(site, 0), int(their_tokens))
             if supply is not None:
                 supplies.append(supply)
-        left_tokens = self.work.tokens - tokens - sum(self._peer_tokens.values())
-        if left_tokens <= 0:
-            return 0.0, supplies
-        if trained <= 0 or tokens <= 0:
-            return None, supplies
-        return left_tokens * trained / tokens, supplies
+        mine = Work(tokens=self.work.tokens - sum(self._peer_tokens.values()))  # the others' part done
+        return mine.left_s(trained, tokens), supplies
 
     # ------------------------------------------------------------------ the node's lookups
 
