@@ -272,6 +272,25 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", metavar="PNG", help="write cumulative emissions against the yardsticks to PNG")
     sim.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
+    exp = sub.add_parser(
+        "export",
+        help="write a site's global model as a Hugging Face model directory",
+        description="Write the global model of a site's newest verified checkpoint (or, with --best, of the "
+        "best one it kept by held-out loss) as a Hugging Face model directory: safetensors weights, "
+        "config.json and the tokenizer where the site used one, loadable with "
+        "AutoModelForCausalLM.from_pretrained(OUT). Works for a site of any number of ranks (FSDP).",
+        epilog="example:\n  greenswarm export --run-dir runs/site-a --out models/site-a\n"
+        "  greenswarm node --config site.yaml --set model.init_from=models/site-a   # continue from it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    exp.add_argument("--run-dir", required=True, metavar="DIR", help="the site's node.run_dir")
+    exp.add_argument("--out", required=True, metavar="OUT", help="the model directory to write")
+    exp.add_argument(
+        "--best", action="store_true", help="the best kept checkpoint by held-out loss (eval.keep_best)"
+    )
+    exp.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    exp.add_argument("--json", action="store_true", help="print what was written as one JSON object")
+
     rep = sub.add_parser(
         "reproduce",
         help="account the curtail-llm anchor's own logged run with greenswarm's ledger",
@@ -531,6 +550,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.security.admin import run_swarm_command
 
         return run_swarm_command(args)
+    if args.command == "export":
+        from greenswarm.node.export import export_run, print_export
+
+        print_export(export_run(args.run_dir, args.out, best=args.best, force=args.force), args.json)
+        return 0
     if args.command == "reproduce":
         from greenswarm.simulation.reproduce import run_reproduce
 

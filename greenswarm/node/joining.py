@@ -16,12 +16,14 @@ from typing import Any
 from greenswarm.averaging.agreement import DigestBoard
 from greenswarm.averaging.averager import StateProvider, SwarmAverager
 from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
+from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.network import relay_options, resolve_reachability, run_in_dht, start_dht
 from greenswarm.node.config import SiteConfig
+from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressPublisher, live_members, record_validators
 from greenswarm.node.rejoin import EntryWatch
-from greenswarm.node.swarm_view import SwarmView
+from greenswarm.node.swarm_view import SwarmView, describe_model
 from greenswarm.security.admission import Admission
 from greenswarm.timefmt import utc_minute
 
@@ -68,10 +70,19 @@ class SwarmParts:
 
 
 def join_swarm(
-    cfg: SiteConfig, numel: int, served: StateProvider, faults: FaultPlan, log: logging.Logger
+    cfg: SiteConfig,
+    numel: int,
+    served: StateProvider,
+    faults: FaultPlan,
+    log: logging.Logger,
+    model: ModelIdentity | None = None,
 ) -> tuple[SwarmParts, Any]:
     """Join the swarm of ``cfg`` with a global model of ``numel`` values; ``served`` is what this site
-    serves to newcomers. Returns the parts and the site's checked membership certificate (or None)."""
+    serves to newcomers. Returns the parts and the site's checked membership certificate (or None).
+
+    ``model``: what this site trains. Its digest is part of the averaging groups' key, so sites that
+    train another model never meet this one in a group; a live site that does is refused here, with
+    one line naming both (:func:`refuse_other_models`)."""
     swarm = cfg.swarm
     if swarm.identity:
         load_or_create_identity(swarm.identity)
@@ -100,7 +111,7 @@ def join_swarm(
         peer_id = dht.peer_id.to_base58()
         averager = SwarmAverager(
             dht,
-            f"{swarm.name}-avg",
+            f"{swarm.name}-avg" + (f"-{model.digest}" if model else ""),
             numel,
             cfg.averaging,
             served,
@@ -109,7 +120,7 @@ def join_swarm(
             members=functools.partial(live_members, dht, swarm.name),
         )
         started.append((averager, "shutdown"))
-        view = SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s)
+        view = SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s, model.to_wire() if model else None)
         started.append((view, "close"))
         publisher = ProgressPublisher(
             dht,
@@ -176,3 +187,30 @@ def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:
 async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:
     """Runs inside the DHT process (see :meth:`SwarmParts.connections`)."""
     return {str(peer.peer_id): [str(a) for a in peer.addrs] for peer in await node.p2p.list_peers()}
+
+
+def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm: str) -> None:
+    """Refuse to train in a swarm whose live sites train another model: one line naming both sides
+    and what differs (architecture, parameter count, tokenizer). Averaging them could not work (the
+    vectors differ in length or meaning), and neither could adopting their state."""
+    view.poll_now()
+    unlike = view.unlike()
+    if not unlike:
+        return
+    other = unlike[0]
+    theirs = ModelIdentity.from_wire(other.model or "")
+    differs = [
+        what
+        for what, mine, them in (
+            ("architecture", model.architecture, theirs and theirs.architecture),
+            ("parameter count", model.parameters, theirs and theirs.parameters),
+            ("tokenizer", model.tokenizer, theirs and theirs.tokenizer),
+        )
+        if mine != them
+    ] or ["configuration"]
+    raise ConfigError(
+        f"this site ({site}) trains {model}, but site {other.site} ({other.peer_id}) of swarm '{swarm}' "
+        f"trains {describe_model(other.model)}: the {' and '.join(differs)} differ; every site of a swarm "
+        "must train the same model (model.preset / model.config / model.init_from, model.tokenizer)",
+        field="model",
+    )

@@ -8,7 +8,10 @@ tokenizer and a 128k-token tokenizer alike.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,9 +95,18 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass
 class ModelConfig:
-    """Which model a site trains. All sites of one swarm must use the same values."""
+    """Which model a site trains. All sites of one swarm must use the same values.
+
+    The architecture is one of :data:`PRESETS` (``preset``, random init), any causal LM that
+    transformers builds from a Hugging Face ``config.json`` (``config``: the file, or a directory
+    holding one; random init), or a local Hugging Face model directory whose weights the site starts
+    from (``init_from``: continued pretraining). ``config`` and ``init_from`` take the place of
+    ``preset``; the vocabulary is then the config's, which must cover the tokenizer's.
+    """
 
     preset: str = "tiny"
+    config: str | None = None  # a Hugging Face config.json (or its directory): the architecture
+    init_from: str | None = None  # a local Hugging Face model directory: start from its weights
     tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
     seed: int = 0  # the random init; identical at every site
 
@@ -109,17 +121,80 @@ class ModelConfig:
             raise ConfigError("must be 'bytes' or a local tokenizer directory", field="tokenizer")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"must be a non-negative integer, got {self.seed!r}", field="seed")
+        if self.config is not None and self.init_from is not None:
+            raise ConfigError(
+                "give model.config or model.init_from, not both (a model directory has its own config.json)",
+                field="init_from",
+            )
+        if self.config is not None:
+            config_file(self.config, "config")
+        if self.init_from is not None:
+            weights_dir(self.init_from)
+
+    @property
+    def source(self) -> str:
+        """Where the architecture (and weights) come from, as logs and summaries say it."""
+        if self.init_from is not None:
+            return f"weights of {self.init_from}"
+        if self.config is not None:
+            return f"config {self.config}"
+        return f"preset {self.preset}"
+
+
+#: file names of a Hugging Face model directory's weights (single file or sharded with an index)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def config_file(spec: str, field: str) -> Path:
+    """The ``config.json`` that ``spec`` names (the file, or a directory holding one)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("must be the path of a Hugging Face config.json or its directory", field=field)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{spec!r}: no such file (a Hugging Face config.json, or a directory holding one; "
+            "Hub names are not fetched)",
+            field=field,
+        )
+    return path
+
+
+def weights_dir(spec: str) -> Path:
+    """The local Hugging Face model directory ``spec`` names, refused without a config or weights."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("must be a local Hugging Face model directory", field="init_from")
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"{spec!r} is not a directory (a local Hugging Face model directory; Hub names are not "
+            "fetched: download the model and pass its directory)",
+            field="init_from",
+        )
+    config_file(str(path), "init_from")
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(f"{spec!r} has no weights ({' or '.join(WEIGHT_FILES[::2])})", field="init_from")
+    return path
 
 
 def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
-    """The transformers config of ``cfg.preset`` with the tokenizer's vocabulary size.
+    """The transformers config of the site's model: ``cfg.preset`` with the tokenizer's vocabulary size,
+    or the ``config.json`` of ``cfg.config`` / ``cfg.init_from`` (whose vocabulary must cover it).
 
-    Special-token ids are left unset: they matter for generation, not for next-token training, and
-    the presets' defaults (e.g. GPT-2's 50256) would not fit a small vocabulary.
+    A preset's special-token ids are left unset: they matter for generation, not for next-token
+    training, and the presets' defaults (e.g. GPT-2's 50256) would not fit a small vocabulary.
     """
     cfg.validate()
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if cfg.config is not None or cfg.init_from is not None:
+        return _file_config(cfg, vocab_size)
     preset = PRESETS[cfg.preset]
     common: dict[str, Any] = dict(
         vocab_size=int(vocab_size),
@@ -140,12 +215,43 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
     raise AssertionError(f"preset {cfg.preset!r} has unknown family {preset.family!r}")
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """A randomly initialised causal LM, bit-identical for the same ``cfg.seed`` (and preset, vocab).
+def _file_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """The config.json that ``model.config`` or ``model.init_from`` names, checked against the
+    tokenizer, with training's settings (no KV cache)."""
+    from transformers import AutoConfig
 
-    Weights are drawn on the CPU from a private generator state (the caller's RNG is untouched) and
-    then moved, so a site on CUDA starts from exactly the weights of a site on another GPU model or
-    on CPU. ``device="meta"`` builds the structure without memory, to count big presets.
+    field_name = "init_from" if cfg.init_from is not None else "config"
+    path = config_file(cfg.init_from if cfg.init_from is not None else cfg.config, field_name)  # type: ignore[arg-type]
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError, JSON errors ...
+        raise ConfigError(
+            f"{path}: not a config transformers can read: {_one_line(e)}", field=field_name
+        ) from e
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < vocab_size:
+        raise ConfigError(
+            f"{path}: vocab_size {vocab} does not cover the tokenizer's {vocab_size} tokens "
+            f"(model.tokenizer: {cfg.tokenizer})",
+            field=field_name,
+        )
+    config.use_cache = False  # training never reuses a KV cache
+    return config
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The site's causal LM: randomly initialised, bit-identical for the same ``cfg.seed`` (and
+    architecture, vocab), or loaded from ``cfg.init_from``'s weights.
+
+    Weights are drawn (or read) on the CPU, in fp32, with a private generator state (the caller's RNG
+    is untouched) and then moved, so a site on CUDA starts from exactly the weights of a site on
+    another GPU model or on CPU. ``device="meta"`` builds the structure without memory, to count big
+    models.
     """
     from transformers import AutoModelForCausalLM
 
@@ -153,13 +259,101 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str | torch.device = 
     device = torch.device(device)
     if device.type == "meta":
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return _from_config(AutoModelForCausalLM, config, cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         with torch.device("cpu"):
-            model = AutoModelForCausalLM.from_config(config)
+            if cfg.init_from is not None:
+                model = _from_pretrained(AutoModelForCausalLM, cfg.init_from)
+            else:
+                model = _from_config(AutoModelForCausalLM, config, cfg)
     model.train()
     return model.to(device)
+
+
+def _from_config(auto: Any, config: PretrainedConfig, cfg: ModelConfig) -> torch.nn.Module:
+    """``auto.from_config`` in fp32 with fused attention where the architecture has it; an
+    architecture that is not a causal LM is one line naming the config."""
+    field_name = "config" if cfg.config is not None else ("init_from" if cfg.init_from else "preset")
+    try:
+        return auto.from_config(config, dtype=torch.float32, attn_implementation=_attention(config))
+    except (ValueError, KeyError, ImportError) as e:
+        raise ConfigError(
+            f"transformers cannot build a causal LM from {cfg.source}: {_one_line(e)}", field=field_name
+        ) from e
+
+
+def _from_pretrained(auto: Any, directory: str) -> torch.nn.Module:
+    path = weights_dir(directory)
+    try:
+        model = auto.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # damaged weights, an unknown architecture, missing tensors ...
+        raise ConfigError(
+            f"cannot load a causal LM from {directory!r}: {_one_line(e)}", field="init_from"
+        ) from e
+    model.config.use_cache = False
+    return model
+
+
+def _attention(config: PretrainedConfig) -> str:
+    """``sdpa`` (fused attention kernels) where the architecture supports it, else ``eager``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return "eager"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What must be equal at every site of a swarm: architecture, parameter count and tokenizer.
+
+    ``digest`` covers the architecture's config (less what does not change the computation: names,
+    versions, the KV cache, the attention kernel), every parameter's name and shape, and the
+    tokenizer's vocabulary. A progress record carries :meth:`to_wire`; a site refuses to train with a
+    site whose identity differs, naming both.
+    """
+
+    architecture: str
+    parameters: int
+    tokenizer: str
+    digest: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.architecture}, {self.parameters:,} parameters, tokenizer {self.tokenizer} [{self.digest}]"
+        )
+
+    def to_wire(self) -> str:
+        return "|".join((self.architecture, str(self.parameters), self.tokenizer, self.digest))
+
+    @classmethod
+    def from_wire(cls, text: str) -> ModelIdentity | None:
+        """The identity a record carries (None when it is not one)."""
+        parts = text.split("|")
+        if len(parts) != 4 or not parts[1].isdigit():
+            return None
+        return cls(parts[0], int(parts[1]), parts[2], parts[3])
+
+
+#: config keys that name, version or tune a model without changing what it computes
+_NOT_ARCHITECTURE = {
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "attn_implementation",
+    "_attn_implementation", "_attn_implementation_autoset", "architectures", "output_attentions",
+    "output_hidden_states", "return_dict", "_commit_hash", "bos_token_id", "eos_token_id", "pad_token_id",
+}  # fmt: skip
+
+
+def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str) -> ModelIdentity:
+    """The :class:`ModelIdentity` of a built (unsharded) model and its tokenizer."""
+    config = model.config  # type: ignore[union-attr]
+    arch = {k: v for k, v in config.to_dict().items() if k not in _NOT_ARCHITECTURE}
+    shapes = [(name, list(p.shape)) for name, p in model.named_parameters()]
+    blob = json.dumps([arch, shapes, tokenizer_fingerprint], sort_keys=True, default=str).encode()
+    digest = hashlib.blake2b(blob, digest_size=6).hexdigest()
+    return ModelIdentity(str(config.model_type), count_parameters(model), tokenizer_fingerprint, digest)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

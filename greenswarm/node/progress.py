@@ -49,6 +49,7 @@ class ProgressRecord:
     next_start: float | None = None  # policy: deadline: clock time the plan next trains (None: no plan)
     # a shared deadline {deadline, target, values, work_tokens, at}: what it can still train, how clean
     plan: dict[str, Any] | None = None
+    model: str | None = None  # ModelIdentity.to_wire(): architecture, parameters, tokenizer, digest
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,9 +29,11 @@ from greenswarm.faults import FaultPlan
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import HeldOut
+from greenswarm.node.export import describe_model
 from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
-from greenswarm.node.joining import SwarmParts, join_swarm
+from greenswarm.node.history import History
+from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
@@ -94,6 +96,7 @@ class SiteNode:
         self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
+        self.history = History(cfg.node.run_dir, cfg.node.log_every_s)  # what a run report reads
         if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
             self.schedule.bind(self._work_done, peers=self._plan_peers)
 
@@ -288,22 +291,28 @@ class SiteNode:
                 "then is unknown)",
                 gap / 3600.0,
             )
+        trainer = self.trainer  # what ``greenswarm export`` needs to turn checkpoints into a model directory
+        describe_model(
+            cfg.node.run_dir, trainer.model, trainer.names, trainer.shapes, cfg.model, trainer.identity
+        )
         self.swarm, self.membership = join_swarm(
-            cfg, outer.numel, self.global_state.served, self.faults, self.log
+            cfg, outer.numel, self.global_state.served, self.faults, self.log, self.trainer.identity
         )
         self.peer_id = self.swarm.peer_id
+        refuse_other_models(self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name)
         parts = (self.swarm.averager, self.swarm.digests, averaging, cfg.name, self.peer_id)
         self.federation = Federation(*parts, self.faults, self.started, self.log)
         self.round_handler = RoundHandler(
             self.global_state, self.ranks, self.federation, self.sync, self.stats, self.peer_id, self.log
         )
         self.log.info(
-            "site %s (%s) joined swarm '%s' as %s; %s parameters, %d rank(s)",
+            "site %s (%s) joined swarm '%s' as %s; %s (%s), %d rank(s)",
             cfg.name,
             cfg.region,
             cfg.swarm.name,
             self.peer_id,
-            f"{self.trainer.num_parameters:,}",
+            self.trainer.identity,
+            cfg.model.source,
             self.world.world_size,
         )
         self._report(force=True)
@@ -321,6 +330,7 @@ class SiteNode:
             self.swarm.entry.poll()
             self.swarm.publisher.maybe_publish(lambda: progress_record(self), force=force)
         self._status.maybe_log(self)
+        self.history.maybe_write(self, force)
 
     def _sleep_until_window(self, now: float) -> None:
         """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps)."""

@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Any
 
+from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressRecord, fetch_records
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,12 @@ def state_key(outer_round: int, lineage: str) -> tuple[int, str]:
 class SwarmView:
     """Polls the swarm's progress records every ``poll_s`` wall seconds on a daemon thread."""
 
-    def __init__(self, dht: Any, swarm: str, my_peer_id: str, poll_s: float):
+    def __init__(self, dht: Any, swarm: str, my_peer_id: str, poll_s: float, model: str | None = None):
         self.dht, self.swarm, self.me, self.poll_s = dht, swarm, my_peer_id, poll_s
+        self.model = model  # this site's ModelIdentity.to_wire(): sites training another model are not peers
         self._records: list[ProgressRecord] = []
+        self._unlike: list[ProgressRecord] = []  # live sites that train another model
+        self._said_unlike: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -46,8 +50,19 @@ class SwarmView:
         except Exception as e:  # the DHT may be shutting down or briefly unreachable
             log.debug("progress poll failed: %r", e)
             return
+        unlike = [
+            r for r in records if self.model and r.model and r.model != self.model and r.peer_id != self.me
+        ]
+        for record in unlike:
+            if record.peer_id not in self._said_unlike:
+                self._said_unlike.add(record.peer_id)
+                log.warning(
+                    "ignoring site %s (%s): it trains %s, this site %s",
+                    record.site, record.peer_id, describe_model(record.model), describe_model(self.model),
+                )  # fmt: skip
         with self._lock:
-            self._records = records
+            self._records = [r for r in records if r not in unlike]
+            self._unlike = unlike
 
     def refresh(self) -> None:
         """Ask for a poll now (e.g. right after a round, when others' records change)."""
@@ -56,6 +71,12 @@ class SwarmView:
     def others(self) -> list[ProgressRecord]:
         with self._lock:
             return [r for r in self._records if r.peer_id != self.me]
+
+    def unlike(self) -> list[ProgressRecord]:
+        """Live sites that train another model (architecture, parameter count or tokenizer): never
+        counted as partners, never a source of state."""
+        with self._lock:
+            return list(self._unlike)
 
     def others_in_window(self) -> list[ProgressRecord]:
         return [r for r in self.others() if r.in_window]
@@ -73,3 +94,9 @@ class SwarmView:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def describe_model(wire: str | None) -> str:
+    """A record's model identity as a person reads it (the raw text when it is not one)."""
+    identity = ModelIdentity.from_wire(wire or "")
+    return str(identity) if identity else repr(wire)

@@ -35,6 +35,7 @@ class RunningSite(Protocol):
     global_state: Any  # GlobalState
     federation: Any  # Federation, once the site has joined
     swarm: Any  # SwarmParts, once the site has joined
+    trainer: Any  # InnerTrainer (its model's identity)
     connections: dict[str, list[str]]
     log: Any  # logging.Logger
 
@@ -65,6 +66,7 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         refused=stats.counts["refused_updates"],
         next_start=getattr(node.schedule, "next_start", None),
         plan=getattr(node.schedule, "share", None),
+        model=node.trainer.identity.to_wire(),
     )
 
 

@@ -8,6 +8,8 @@ because sites must not silently diverge on whatever the Hub serves today).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -21,6 +23,7 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     eos_id: int
+    fingerprint: str  # equal at two sites exactly when they tokenize alike
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,6 +41,7 @@ class ByteTokenizer:
     eos_id = 257
     pad_id = 258
     vocab_size = 259
+    fingerprint = "bytes/259"  # what sites compare: every byte tokenizer is this one
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``'s UTF-8 bytes; no special tokens are added (the caller places EOS)."""
@@ -75,6 +79,12 @@ class HFTokenizer:
         pad = tokenizer.pad_token_id
         self.bos_id = int(bos) if bos is not None else self.eos_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
+        # what sites compare: the vocabulary itself (token -> id), not the directory it was read from
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)
+        digest = hashlib.blake2b(vocab.encode(), digest_size=4).hexdigest()
+        self.fingerprint = (
+            f"{os.path.basename(os.path.normpath(name)).replace('|', '_') or 'hf'}/{self.vocab_size}/{digest}"
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without the tokenizer's own BOS/EOS (the data pipeline places EOS)."""

@@ -18,7 +18,7 @@ from greenswarm.averaging.outer import flatten
 from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
-from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters
+from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters, model_identity
 from greenswarm.node.tokenizer import load_tokenizer
 
 
@@ -57,6 +57,8 @@ class InnerTrainer:
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, device=world.device)
         self.num_parameters = count_parameters(self.model)
         self.shapes = [p.shape for p in self.model.parameters()]
+        self.names = [name for name, _ in self.model.named_parameters()]  # the flat vector's order
+        self.identity = model_identity(self.model, self.tokenizer.fingerprint)  # what every site must share
         if world.distributed:
             _shard_with_fsdp(self.model)
         self.model.train()

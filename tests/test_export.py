@@ -1,0 +1,148 @@
+"""Models in and out in Hugging Face format: ``model.config`` (any causal-LM config.json),
+``model.init_from`` (a local model directory), the swarm refusing a site that trains another model, and
+``greenswarm export`` (a real site's checkpoint to safetensors that transformers loads, same logits)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from greenswarm.configuration import config_from_dict
+from greenswarm.errors import ConfigError
+from greenswarm.node.config import SiteConfig, TrainConfig
+from greenswarm.node.data import DataConfig
+from greenswarm.node.distributed import World
+from greenswarm.node.evaluation import EvalConfig, HeldOut
+from greenswarm.node.export import MODEL_FILE, PROVENANCE_FILE, export_run
+from greenswarm.node.model import ModelConfig, ModelIdentity, build_model, model_identity
+from greenswarm.node.trainer import InnerTrainer
+from tests.conftest import Swarm, site_config, wait_until, write_trace
+
+pytestmark = pytest.mark.export
+
+TOKENS = torch.arange(0, 250, 7).reshape(2, -1) % 259  # two rows of byte tokens
+
+
+def _gpt2_config(directory: Path, vocab: int = 300) -> Path:
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=vocab).save_pretrained(directory)
+    return directory
+
+
+def test_a_config_json_builds_its_architecture_at_the_tokenizers_side_and_the_same_at_every_site(
+    tmp_path: Path,
+) -> None:
+    directory = _gpt2_config(tmp_path / "gpt2-small-test")
+    a = build_model(ModelConfig(config=str(directory)), 259)
+    b = build_model(ModelConfig(config=str(directory / "config.json")), 259)  # the file itself works too
+    assert a.config.model_type == "gpt2" and a.config.vocab_size == 300 and not a.config.use_cache
+    assert next(a.parameters()).dtype == torch.float32
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    ia, preset = model_identity(a, "bytes/259"), model_identity(build_model(ModelConfig(), 259), "bytes/259")
+    assert ia == model_identity(b, "bytes/259") and ia != preset
+    assert ModelIdentity.from_wire(ia.to_wire()) == ia
+    assert model_identity(a, "other/259") != ia  # the tokenizer is part of it
+
+
+def test_model_sources_are_checked_at_load_time_with_the_field_named(tmp_path: Path) -> None:
+    config = _gpt2_config(tmp_path / "cfg")
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text((config / "config.json").read_text())
+    base = {"name": "a", "region": "R"}
+    cases = {
+        "model.config": {"config": str(tmp_path / "missing")},
+        "model.init_from": {"init_from": str(tmp_path / "noweights")},
+    }
+    for where, model in cases.items():
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(SiteConfig, {**base, "model": model}, source="site.yaml")
+        assert where in str(err.value), err.value
+    with pytest.raises(ConfigError, match="not both"):
+        config_from_dict(SiteConfig, {**base, "model": {"config": str(config), "init_from": str(config)}})
+    with pytest.raises(ConfigError, match="does not cover the tokenizer's 400 tokens"):
+        build_model(ModelConfig(config=str(config)), 400)
+    (tmp_path / "cfg" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(ConfigError, match="not a config transformers can read"):
+        build_model(ModelConfig(config=str(config)), 259)
+
+
+DATA = DataConfig(shard_index=0, num_shards=2, seq_len=64)  # as site_config(shard=0, shards=2) reads
+
+
+def _trainer(model: ModelConfig) -> InnerTrainer:
+    return InnerTrainer(model, DATA, TrainConfig(batch_size=2, micro_batch_size=2, threads=1), World())
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=TOKENS).logits
+
+
+@pytest.mark.swarm
+def test_a_real_sites_model_goes_out_and_back_in(swarm: Swarm, tmp_path: Path) -> None:
+    """A real site trains (held-out loss, best checkpoints kept); a site with another model is refused
+    at join, naming both; the site's global model is exported, loads in transformers with the node's
+    logits, and a site started from it (``init_from``) has the held-out loss the export was kept at."""
+    hours, speedup = 1, 300.0
+    trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * hours}, step_s=3600)
+    peers = swarm.bootstrap()
+    start_file = tmp_path / "start"
+    common = dict(speedup=speedup, start_file=start_file, sync_s=600.0, shard=0, shards=2)
+    site_a = site_config("site-a", "GREEN", trace, peers, tmp_path / "site-a", **common,
+                         eval={"batches": 2, "batch_size": 2, "keep_best": 2})  # fmt: skip
+    swarm.node("site-a", swarm.write_config("site-a", site_a))
+    wait_until(lambda: "joined swarm" in swarm.log("site-a"), 90, "site-a to join")
+
+    other = _gpt2_config(tmp_path / "gpt2-test")
+    site_b = site_config("site-b", "GREEN", trace, peers, tmp_path / "site-b", **common,
+                         model={"config": str(other)}, node={"restart": "never"})  # fmt: skip
+    swarm.node("site-b", swarm.write_config("site-b", site_b))
+    assert swarm.wait("site-b", timeout=90) == 2, swarm.log("site-b")[-3000:]
+    errors = [line for line in swarm.log("site-b").splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in swarm.log("site-b"), swarm.log("site-b")[-3000:]
+    assert "site-b" in errors[0] and "site site-a" in errors[0], errors[0]
+    assert "gpt2" in errors[0] and "llama" in errors[0] and "architecture and parameter count" in errors[0]
+
+    end_wall = swarm.start_replay(["site-a"], start_file) + hours * 3600 / speedup
+    assert swarm.wait("site-a", timeout=end_wall + 120 - time.time()) == 0, swarm.log("site-a")[-4000:]
+    run_dir = tmp_path / "site-a"
+    assert json.loads((run_dir / MODEL_FILE).read_text())["identity"].startswith("llama|")
+
+    # out: the newest global model, through the CLI, as transformers loads it
+    out = tmp_path / "exported"
+    command = ["export", "--run-dir", str(run_dir), "--out", str(out), "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "greenswarm", *command], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert {"model.safetensors", "config.json", PROVENANCE_FILE} <= set(report["files"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert report["outer_round"] == summary["outer_round"] >= 2
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    node = _trainer(ModelConfig())  # the node's own model, holding the checkpoint's global vector
+    from greenswarm.node.checkpoint import Checkpointer
+
+    node.load_full_parameters(Checkpointer(run_dir).load()["outer"][0])
+    expected, got = _logits(node.model), _logits(loaded)
+    assert got.shape == expected.shape and (got - expected).abs().max().item() <= 1e-5
+
+    # the best kept one, and back in: a site starting from it evaluates to the loss it was kept at
+    best = export_run(run_dir, tmp_path / "best", best=True)
+    assert best["held_out_loss"] is not None and best["checkpoint"].startswith(str(run_dir / "best"))
+    resumed = _trainer(ModelConfig(init_from=str(tmp_path / "best")))
+    held_out = HeldOut(EvalConfig(batches=2, batch_size=2), DATA, resumed.tokenizer)
+    assert resumed.evaluate(held_out.batches()) == pytest.approx(best["held_out_loss"], abs=1e-4)
+    with pytest.raises(ConfigError, match="--force"):
+        export_run(run_dir, out)
