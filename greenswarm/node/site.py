@@ -325,7 +325,7 @@ class SiteNode:
         return self.clock.wait_for_start(self._stop)
 
     def _report(self, force: bool = False) -> None:
-        """Progress record (when due or forced), the entry-point watch and a periodic log line."""
+        """Progress record (when due or forced), the entry-point watch, a periodic log line and history."""
         if self.swarm is not None:
             self.swarm.entry.poll()
             self.swarm.publisher.maybe_publish(lambda: progress_record(self), force=force)
