@@ -146,3 +146,44 @@ def test_a_real_sites_model_goes_out_and_back_in(swarm: Swarm, tmp_path: Path) -
     assert resumed.evaluate(held_out.batches()) == pytest.approx(best["held_out_loss"], abs=1e-4)
     with pytest.raises(ConfigError, match="--force"):
         export_run(run_dir, out)
+
+
+def test_an_export_carries_the_sites_own_tokenizer_and_its_fingerprint_tells_vocabularies_apart(
+    tmp_path: Path,
+) -> None:
+    """In-process, from a run directory as a node leaves it (model.json and a verified checkpoint)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from greenswarm.node.checkpoint import Checkpointer
+    from greenswarm.node.export import describe_model
+    from greenswarm.node.tokenizer import load_tokenizer
+
+    def tokenizer(directory: Path, words: list[str]) -> str:
+        raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="<eos>")
+        fast.save_pretrained(directory)
+        return str(directory)
+
+    words = ["[UNK]", "<eos>", *(f"w{i}" for i in range(40))]
+    tok = tokenizer(tmp_path / "tok", words)
+    other = tokenizer(tmp_path / "tok2", [*words[:-1], "different"])
+    assert load_tokenizer(tok).fingerprint != load_tokenizer(other).fingerprint  # same size, other words
+    cfg = ModelConfig(tokenizer=tok)
+    model = build_model(cfg, 42)
+    names, shapes = zip(*[(n, p.shape) for n, p in model.named_parameters()], strict=True)
+    run_dir = tmp_path / "run"
+    identity = model_identity(model, load_tokenizer(tok).fingerprint)
+    describe_model(run_dir, model, list(names), list(shapes), cfg, identity)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    Checkpointer(run_dir).save({"outer": [flat, torch.zeros_like(flat)], "site": {"outer_round": 3}})
+
+    report = export_run(run_dir, tmp_path / "out")
+    assert report["outer_round"] == 3 and report["tokenizer_saved"].startswith("saved from")
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("w3 w7") == [5, 9]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    ids = torch.tensor([[2, 5, 9, 1]])
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

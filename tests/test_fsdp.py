@@ -1,5 +1,6 @@
 """A two-rank FSDP2 site (torchrun, gloo, CPU) joins a swarm with a one-rank site and averages with it,
-in overlapped rounds (so the sharded rebase, every rank adding its shard of the shift, runs too)."""
+in overlapped rounds (so the sharded rebase, every rank adding its shard of the shift, runs too); then
+``greenswarm export`` turns the sharded site's checkpoint into a model transformers loads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.swarm
 SPEEDUP, HOURS = 300.0, 2
 
 
+@pytest.mark.export
 def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * HOURS}, step_s=3600)
     peers = swarm.bootstrap()
@@ -55,3 +57,21 @@ def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path
             assert torch.allclose(torch.load(path), torch.load(other), atol=5e-4, rtol=0), path.name
             shared += 1
     assert shared >= 2
+
+    # the sharded site's checkpoint exports like any other: transformers loads the global model it holds
+    from transformers import AutoModelForCausalLM
+
+    from greenswarm.node.checkpoint import Checkpointer
+    from greenswarm.node.export import export_run
+    from greenswarm.node.model import ModelConfig, build_model
+
+    report = export_run(tmp_path / "site-fsdp", tmp_path / "exported")
+    assert report["outer_round"] == fsdp["outer_round"]
+    flat = Checkpointer(tmp_path / "site-fsdp").load()["outer"][0]
+    reference = build_model(ModelConfig(), 259)
+    torch.nn.utils.vector_to_parameters(flat, reference.parameters())
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
+    tokens = torch.arange(0, 120).reshape(2, -1)
+    with torch.no_grad():
+        diff = (loaded(input_ids=tokens).logits - reference.eval()(input_ids=tokens).logits).abs().max()
+    assert diff.item() <= 1e-5, diff
