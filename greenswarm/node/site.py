@@ -285,7 +285,8 @@ class SiteNode:
             cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log,
             background=averaging.overlap,  # rounds beside training: checkpoints written beside it too
         )  # fmt: skip
-        if self.checkpoints.resume() and (gap := self.ledger.skip_to(self.clock.now())) > 0:
+        resumed = self.checkpoints.resume()
+        if resumed and (gap := self.ledger.skip_to(self.clock.now())) > 0:
             self.log.info(
                 "energy: not booking the %.1f h between the checkpoint and this start (the site's draw "
                 "then is unknown)",
@@ -294,6 +295,12 @@ class SiteNode:
         trainer = self.trainer  # what ``greenswarm export`` needs to turn checkpoints into a model directory
         describe_model(
             cfg.node.run_dir, trainer.model, trainer.names, trainer.shapes, cfg.model, trainer.identity
+        # where continued pretraining starts, on the held-out shard its loss will be measured on
+        if not resumed and cfg.model.init_from is not None and cfg.eval.enabled:
+            self.stats.eval_loss = self.ranks.evaluate()
+            self.log.info(
+                "held-out loss of the starting model (%s): %.4f", cfg.model.source, self.stats.eval_loss
+            )
         )
         self.swarm, self.membership = join_swarm(
             cfg, outer.numel, self.global_state.served, self.faults, self.log, self.trainer.identity
