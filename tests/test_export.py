@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +147,18 @@ def test_a_real_sites_model_goes_out_and_back_in(swarm: Swarm, tmp_path: Path) -
     assert resumed.evaluate(held_out.batches()) == pytest.approx(best["held_out_loss"], abs=1e-4)
     with pytest.raises(ConfigError, match="--force"):
         export_run(run_dir, out)
+
+    # and a real site started from it says so, at that loss, and joins the swarm it came from
+    site_c = site_config("site-c", "GREEN", trace, peers, tmp_path / "site-c", **common,
+                         model={"init_from": str(tmp_path / "best")}, node={"restart": "never"},
+                         eval={"batches": 2, "batch_size": 2})  # fmt: skip
+    swarm.node("site-c", swarm.write_config("site-c", site_c))
+    said = "held-out loss of the starting model (weights of "
+    wait_until(lambda: "joined swarm" in swarm.log("site-c"), 90, "site-c to start from the export")
+    line = next(x for x in swarm.log("site-c").splitlines() if said in x)
+    assert float(line.rsplit(":", 1)[1]) == pytest.approx(best["held_out_loss"], abs=1e-4), line
+    swarm.kill("site-c", signal.SIGTERM)
+    assert swarm.wait("site-c", timeout=60) == 0, swarm.log("site-c")[-3000:]
 
 
 def test_an_export_carries_the_sites_own_tokenizer_and_its_fingerprint_tells_vocabularies_apart(
