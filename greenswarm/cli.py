@@ -35,7 +35,8 @@ admission (who may join):
   greenswarm swarm admit --key authority.key --site caiso-north --region CAISO_NORTH --peer-id 12D3Koo...
 
 everything on this machine, offline, in a few minutes:
-  greenswarm demo
+  greenswarm demo --workdir demo
+  greenswarm report demo --out report.html   # (the demo writes demo/report.html itself)
 """
 
 
@@ -290,6 +291,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     exp.add_argument("--json", action="store_true", help="print what was written as one JSON object")
+
+    report = sub.add_parser(
+        "report",
+        help="one static HTML page of runs: loss, states, rounds, emissions against baselines, totals",
+        description="Read sites' run directories (summary.json, history.jsonl, rounds.jsonl) and write one "
+        "self-contained HTML file, figures embedded: loss against tokens per site, each site's state over "
+        "time on its region's intensity and threshold, rounds and their members, cumulative emissions "
+        "against continuous training at equal work, and the totals. A directory holding sites' run "
+        "directories (a demo's --workdir) counts as all of them; a missing file is said in the page.",
+        epilog="example:\n  greenswarm report runs/site-a runs/site-b --out report.html\n"
+        "  greenswarm report /tmp/demo --out demo.html   # every site of a demo's work directory",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="a site's node.run_dir, or a folder of them"
+    )
+    report.add_argument(
+        "--out", default="report.html", metavar="HTML", help="the page to write (default: report.html)"
+    )
+    report.add_argument("--json", action="store_true", help="print where it wrote and what it holds as JSON")
 
     rep = sub.add_parser(
         "reproduce",
@@ -555,6 +576,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print_export(export_run(args.run_dir, args.out, best=args.best, force=args.force), args.json)
         return 0
+    if args.command == "report":
+        from greenswarm.report.build import run_report
+
+        return run_report(args.run_dirs, args.out, as_json=args.json)
     if args.command == "reproduce":
         from greenswarm.simulation.reproduce import run_reproduce
 

@@ -244,6 +244,7 @@ def run_demo(opts: DemoOptions) -> int:
     report = build_report(workdir, regions, trace, speedup, start_wall, hours, opts)
     report["wall_seconds"] = round(time.monotonic() - started, 1)
     report["workdir"] = str(workdir)
+    report["report_html"] = _html_report(workdir, regions)
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
     if opts.as_json:
         print(json.dumps(report, indent=2))
@@ -252,6 +253,18 @@ def run_demo(opts: DemoOptions) -> int:
 
         print_report(report)
     return 0
+
+
+def _html_report(workdir: Path, regions: list[str]) -> str | None:
+    """The run report of the demo's sites (``greenswarm report``) beside report.json; its path, or None
+    (said in one line) when it could not be written: the run itself succeeded."""
+    from greenswarm.report.build import write_report
+
+    try:
+        return write_report([workdir / _site_name(r) for r in regions], workdir / "report.html")["out"]
+    except GreenswarmError as err:
+        print(f"greenswarm demo: the run report was not written: {err}", file=sys.stderr)
+        return None
 
 
 def build_report(

@@ -145,3 +145,5 @@ def print_report(report: dict[str, Any]) -> None:
         + "\n".join(lines)
     )
     console.print(f"configs, logs, checkpoints and report.json: {report['workdir']}")
+    if report.get("report_html"):
+        console.print(f"run report (open in a browser): {report['report_html']}", highlight=False)

@@ -114,42 +114,70 @@ def print_windows(report: dict[str, Any]) -> None:
     )
 
 
-def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Path) -> Path:
-    """Write a PNG: the region's intensity, the threshold line and the windows shaded, on UTC time."""
+def to_dates(times: Any) -> Any:
+    """Unix seconds as matplotlib date numbers (UTC), for a time axis."""
     import matplotlib.dates as mdates
 
-    plt = pyplot()
+    return mdates.date2num([naive_utc(float(t)) for t in times])
+
+
+def utc_time_axis(ax: Any, start: float, end: float) -> None:
+    """Concise UTC dates on ``ax``'s x axis, from ``start`` to ``end`` (unix seconds)."""
+    import matplotlib.dates as mdates
+
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    ax.set_xlim(*to_dates([start, end]))
+
+
+def draw_intensity(
+    ax: Any,
+    trace: Trace,
+    region: str,
+    threshold: float | None,
+    start: float | None = None,
+    end: float | None = None,
+) -> None:
+    """The region's intensity as the step function a site reads (hold-last), from ``start`` to ``end``
+    (default: the whole trace), and the threshold as a dashed line; on a UTC date axis. Shared by
+    ``greenswarm windows --plot`` and the run report."""
     import numpy as np
 
+    t0 = trace.start if start is None else max(float(start), trace.start)
+    t1 = trace.end if end is None else min(float(end), trace.end)
     series = trace.series(region)
+    first = max(int(np.searchsorted(trace.times, t0, side="right")) - 1, 0)
+    last = int(np.searchsorted(trace.times, t1, side="left"))
+    times = np.concatenate(([t0], trace.times[first + 1 : last], [t1]))
+    values = (
+        np.concatenate((series[first:last], [series[last - 1]])) if last > first else series[[first, first]]
+    )
+    ax.step(to_dates(times), values, where="post", color="tab:blue", linewidth=1.0, label="intensity")
+    if threshold is not None:
+        ax.axhline(
+            threshold, color="tab:red", linestyle="--", linewidth=1.0, label=f"threshold {threshold:.1f}"
+        )
+    utc_time_axis(ax, t0, t1)
+    ax.set_ylim(bottom=0)
+
+
+def plot_windows(trace: Trace, region: str, policy: WindowPolicy, path: str | Path) -> Path:
+    """Write a PNG: the region's intensity, the threshold line and the windows shaded, on UTC time."""
+    plt = pyplot()
+
     windows = policy.windows(trace, region)
     threshold = effective_threshold(policy, trace, region)
     out = Path(path).expanduser()
 
-    times = np.append(trace.times, trace.end)
-    xs = mdates.date2num([naive_utc(t) for t in times])
-    ys = np.append(series, series[-1])
     fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     try:
-        ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.0, label="intensity")
+        draw_intensity(ax, trace, region, threshold)
         for i, w in enumerate(windows):
+            start, end = to_dates([w.start, w.end])
             ax.axvspan(
-                mdates.date2num(naive_utc(w.start)),
-                mdates.date2num(naive_utc(w.end)),
-                color="tab:green",
-                alpha=0.2,
-                linewidth=0,
-                label="window" if i == 0 else None,
+                start, end, color="tab:green", alpha=0.2, linewidth=0, label="window" if i == 0 else None
             )
-        if threshold is not None:
-            ax.axhline(
-                threshold, color="tab:red", linestyle="--", linewidth=1.0, label=f"threshold {threshold:.1f}"
-            )
-        locator = mdates.AutoDateLocator()
-        ax.xaxis.set_major_locator(locator)
-        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
-        ax.set_xlim(xs[0], xs[-1])
-        ax.set_ylim(bottom=0)
         ax.set_xlabel("time (UTC)")
         ax.set_ylabel("carbon intensity (gCO2/kWh)")
         share = sum(w.duration for w in windows) / (trace.end - trace.start)
