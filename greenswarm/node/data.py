@@ -1,14 +1,33 @@
 """Token batches for pretraining, from disjoint per-site shards of a text corpus.
 
-Every site of a swarm reads the same corpus in the same deterministic document order, and document
-``i`` belongs to shard ``i % num_shards``: sites never train on each other's documents, without any
-coordination beyond their shard index. Sources:
+Every site of a swarm reads the same corpus in the same deterministic order, and each document has a
+*key*: ``file + files * row`` for row ``row`` of file ``file`` (the corpus's files sorted, or a Hub
+dataset's shards in the dataset's order; ``files`` of them). Document ``key`` belongs to shard
+``key % num_shards``: sites never train on each other's documents, without any coordination beyond
+their shard index, and the ranks of a site split the site's shard the same way (:func:`sub_shard`).
 
-* ``"stdlib"`` -- the installed Python standard library's ``.py`` files: always present and offline,
-  so demos and tests need no download (sites must run the same Python version to agree on it);
+Because ``files`` is a term of the key, a reader never opens a file it owns no document of:
+
+* when ``num_shards`` divides ``files``, ``key % num_shards == file % num_shards``, so a reader owns
+  whole files (split ``"files"``) and opens only its ``files / num_shards`` of them -- the same
+  assignment as ``datasets``' ``split_dataset_by_node`` with its ``"shards"`` strategy;
+* otherwise it falls back to splitting by document (split ``"documents"``): it opens the files ``file
+  == shard_index`` modulo ``g = gcd(num_shards, files)`` (every file when ``g`` is 1, e.g. one big
+  file) and keeps one document in ``num_shards / g`` of each.
+
+One key for every reader, whatever its ``num_shards``, is what keeps readers of different layouts
+disjoint: a site's ranks (``num_shards * world``), sites with different world sizes, and the held-out
+shard of evaluation (``node/evaluation.py``), which may use another ``num_shards`` and is checked
+against the training shard with the same modular arithmetic as before. (``split_dataset_by_node``
+numbers examples globally in its fallback, so two readers with different world sizes, one splitting
+by files and one by examples, would overlap.) Sources:
+
+* ``"stdlib"`` -- the installed Python standard library's ``.py`` files, one document each: always
+  present and offline, so demos and tests need no download (sites must run the same Python version);
 * a local file, directory or glob of ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, streamed
   through ``datasets`` (a ``.txt`` line is one document, as in ``datasets``' ``text`` builder);
-* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"`` -- a Hub dataset, streamed (for real runs with a network).
+* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"`` -- a Hub dataset, streamed (for real runs with a network); its
+  files are the streamed dataset's shards (``IterableDataset.num_shards``).
 
 Documents are tokenized lazily, joined with the tokenizer's EOS and cut into fixed windows, so the
 first batch is ready at once however large the corpus. ``datasets`` is imported only for the
@@ -19,16 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import random
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
+from math import gcd
 from typing import Any, Protocol
 
 import torch
 
 from greenswarm.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # File suffix -> the ``datasets`` packaged builder that reads it.
 BUILDERS: dict[str, str] = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -92,12 +115,84 @@ def sub_shard(cfg: DataConfig, rank: int, world: int) -> DataConfig:
     return replace(cfg, shard_index=index, num_shards=cfg.num_shards * world)
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """Which documents, and so which files, one reader (shard ``index`` of ``count``) of a corpus reads.
+
+    Row ``row`` of file ``file`` has the key ``file + files * row`` and belongs to shard ``key %
+    count`` (see the module docstring for why one key serves every layout). With ``single_documents``
+    every file is one document (the standard library's sources), so the key is the file's index and
+    a reader opens exactly its own files whatever ``count`` is.
+    """
+
+    files: int  # files in the corpus (a Hub dataset's shards)
+    index: int
+    count: int
+    single_documents: bool = False
+
+    @property
+    def split(self) -> str:
+        """``"files"`` when the reader owns whole files, ``"documents"`` when it keeps some of each."""
+        return "files" if self.single_documents or self.files % self.count == 0 else "documents"
+
+    @property
+    def keep_every(self) -> int:
+        """The reader keeps one document in this many of each file it opens (1: whole files)."""
+        return 1 if self.single_documents else self.count // gcd(self.count, self.files)
+
+    def key(self, file: int, row: int) -> int:
+        """The document key of row ``row`` of file ``file``."""
+        return file + self.files * row
+
+    def owns(self, file: int, row: int) -> bool:
+        """Whether row ``row`` of file ``file`` is this reader's."""
+        return self.key(file, row) % self.count == self.index
+
+    def files_read(self) -> list[int]:
+        """The files holding a document of this reader, in corpus order; no other file is opened.
+
+        ``key % g == file % g`` for ``g = gcd(count, files)`` (``g`` divides ``files``), so only files
+        with ``file % g == index % g`` can hold a key ``== index`` modulo ``count``.
+        """
+        if self.single_documents:
+            return [f for f in range(self.files) if f % self.count == self.index]
+        g = gcd(self.count, self.files)
+        return [f for f in range(self.files) if f % g == self.index % g]
+
+    def describe(self, source: str) -> str:
+        """One line for the log: the split, and how much of the corpus this reader opens."""
+        read = self.files_read()
+        shown = ", ".join(map(str, read[:8])) + (", ..." if len(read) > 8 else "")
+        files = f"{len(read)} file{'' if len(read) == 1 else 's'}"
+        head = f"data {source!r}: shard {self.index} of {self.count} of {self.files} files"
+        if self.split == "files":
+            return f"{head}, split by files: reads {files} whole ({shown})"
+        opened = "every file" if len(read) == self.files else f"{files} ({shown})"
+        return (
+            f"{head}, split by documents ({self.count} does not divide {self.files}): reads {opened} "
+            f"and keeps 1 document in {self.keep_every} of each"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """For summaries: the split, the corpus's files and how many of them this reader opens."""
+        return {
+            "split": self.split,
+            "files": self.files,
+            "files_read": len(self.files_read()),
+            "keep_every": self.keep_every,
+            "shard_index": self.index,
+            "num_shards": self.count,
+        }
+
+
 # ----------------------------------------------------------------------------------------- sources
 
 
 class _Source(Protocol):
+    sharding: Sharding
+
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
-        """``(corpus index, text)`` of this shard's documents in epoch ``epoch``'s order, from ``start``."""
+        """``(document key, text)`` of this shard's documents in epoch ``epoch``'s order, from ``start``."""
         ...
 
 
@@ -108,7 +203,8 @@ class _StdlibSource:
         self.cfg = cfg
         self.root = sysconfig.get_paths()["stdlib"]
         self.files = stdlib_files(self.root)
-        self.shard = [i for i in range(len(self.files)) if i % cfg.num_shards == cfg.shard_index]
+        self.sharding = Sharding(len(self.files), cfg.shard_index, cfg.num_shards, single_documents=True)
+        self.shard = self.sharding.files_read()
 
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
         order = list(self.shard)
@@ -124,16 +220,26 @@ class _StdlibSource:
 
 
 class _DatasetSource:
-    """Local files or a Hub dataset, streamed through ``datasets`` in the dataset's own order."""
+    """Local files or a Hub dataset, streamed through ``datasets`` one file (shard) at a time.
+
+    Each file this reader owns a document of is streamed on its own (``IterableDataset.shard`` down
+    to one of the dataset's shards), in corpus order, so the reader knows every row's file and row
+    number -- its key -- and never opens another reader's files.
+    """
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
-        # (description, IterableDataset, column) streamed one after the other.
+        # (description, IterableDataset, column) in corpus order; their shards are the corpus's files.
         self.parts: list[tuple[str, Any, str]] = []
         if cfg.source.startswith("hf:"):
             self._open_hub()
         else:
             self._open_local()
+        # File f of the corpus: (part, the file's index among that part's shards).
+        self.files: list[tuple[int, int]] = [
+            (p, j) for p, (_, ds, _) in enumerate(self.parts) for j in range(ds.num_shards)
+        ]
+        self.sharding = Sharding(len(self.files), cfg.shard_index, cfg.num_shards)
 
     def _open_hub(self) -> None:
         spec = self.cfg.source[3:]
@@ -171,14 +277,16 @@ class _DatasetSource:
             self.parts.append((f"{self.cfg.source} ({builder})", ds, column))
 
     def _shard_stream(self) -> Iterator[tuple[int, str]]:
-        """This shard's documents in corpus order: document ``i`` when ``i % num_shards == shard``."""
-        n, k = self.cfg.num_shards, self.cfg.shard_index
-        i = 0
-        for where, ds, column in self.parts:
-            for row in ds:
-                if i % n == k:
-                    yield i, _row_text(row, column, where)
-                i += 1
+        """This shard's documents in corpus order: of the files it reads, the rows whose key it owns."""
+        sharding = self.sharding
+        for file in sharding.files_read():
+            part, index = self.files[file]
+            where, ds, column = self.parts[part]
+            # One shard of the part: only this file is opened (the part itself when it is one file).
+            stream = ds if ds.num_shards == 1 else ds.shard(num_shards=ds.num_shards, index=index)
+            for row_number, row in enumerate(stream):
+                if sharding.owns(file, row_number):
+                    yield sharding.key(file, row_number), _row_text(row, column, where)
 
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
         # Shuffle *after* sharding and in Python: ``IterableDataset.shuffle`` also reorders the source
@@ -190,15 +298,19 @@ class _DatasetSource:
 
 
 def open_source(cfg: DataConfig) -> _Source:
-    """The document source of ``cfg``; missing paths and unreachable datasets fail here, eagerly."""
+    """The document source of ``cfg``; missing paths and unreachable datasets fail here, eagerly.
+
+    Logs one INFO line saying how the shard is split (by files or by documents) and how many files
+    it opens: with fewer files than readers, the fallback still opens every file.
+    """
     cfg.validate()
-    if cfg.source == "stdlib":
-        return _StdlibSource(cfg)
-    return _DatasetSource(cfg)
+    source: _Source = _StdlibSource(cfg) if cfg.source == "stdlib" else _DatasetSource(cfg)
+    log.info("%s", source.sharding.describe(cfg.source))
+    return source
 
 
 def iter_documents(cfg: DataConfig, epoch: int = 0) -> Iterator[tuple[int, str]]:
-    """``(corpus index, text)`` of the documents of ``cfg``'s shard, in epoch ``epoch``'s order."""
+    """``(document key, text)`` of the documents of ``cfg``'s shard, in epoch ``epoch``'s order."""
     return open_source(cfg).documents(epoch)
 
 
@@ -282,6 +394,11 @@ def _row_text(row: dict[str, Any], column: str, where: str) -> str:
     return value
 
 
+def _settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A data position's fingerprint without the corpus's file count (see ``load_state_dict``)."""
+    return {k: v for k, v in fingerprint.items() if k != "files"}
+
+
 def _buffer_shuffle(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
     """Approximately shuffle a stream, holding at most ``size`` items; exact when it is shorter."""
     buffer: list[Any] = []
@@ -308,7 +425,8 @@ class TokenBatches:
 
     The position (epoch, document, token offset) is exact, so :meth:`state_dict` /
     :meth:`load_state_dict` resume at the next unseen token by skipping whole documents without
-    tokenizing them. A new ``iter()`` continues from the current position.
+    tokenizing them (skipped documents are still streamed, but only from the shard's own files). A
+    new ``iter()`` continues from the current position.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, batch_size: int):
@@ -335,6 +453,11 @@ class TokenBatches:
         """The epoch being read (after a batch that ends an epoch, the next one starts on the next read)."""
         return self._epoch
 
+    @property
+    def sharding(self) -> Sharding:
+        """How this shard splits the corpus: by files or by documents, and how many files it opens."""
+        return self._source.sharding
+
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts, plus the data settings the position is only valid for."""
         return {
@@ -346,22 +469,53 @@ class TokenBatches:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` was taken; iterators created afterwards start there."""
+        """Continue where ``state`` was taken; iterators created afterwards start there.
+
+        A position saved for other data settings (source, shard, seed, tokenizer) is refused. One saved
+        when the corpus had another number of files (files were added, or the position predates keys
+        by file) names other documents, since every key depends on that number: that is not the
+        operator's setting, so rather than stop the site it is logged and the saved epoch starts over
+        (documents already read this epoch come again; none is skipped).
+        """
         saved = state.get("data")
-        if saved is not None and saved != self._fingerprint():
+        now = self._fingerprint()
+        if saved is not None and _settings(saved) != _settings(now):
             raise ConfigError(
-                f"the data position was saved for {saved}, but the data is now {self._fingerprint()}; "
+                f"the data position was saved for {saved}, but the data is now {now}; "
                 "the shard or order changed, so the position cannot be resumed"
             )
         self._batches = int(state["batches"])
         self._epoch = int(state["epoch"])
         self._doc = int(state["document"])
         self._offset = int(state["offset"])
+        if saved is not None and saved.get("files") != now["files"] and not self._same_order(saved):
+            log.warning(
+                "the data position was saved when %r had %s files; it has %d now, so the position names "
+                "other documents: epoch %d of shard %d of %d starts over",
+                self.cfg.source,
+                saved.get("files", "an unrecorded number of"),
+                now["files"],
+                self._epoch,
+                self.cfg.shard_index,
+                self.cfg.num_shards,
+            )
+            self._doc, self._offset = 0, 0
+
+    def _same_order(self, saved: dict[str, Any]) -> bool:
+        """Whether a position saved before keys by file (no ``files``) names the same documents.
+
+        The earlier key was the document's place in the whole corpus. It equals ``file + files * row``
+        when every file is one document or there is one file, and a single shard reads every document
+        in corpus order under either key.
+        """
+        layout = self.sharding
+        return "files" not in saved and (layout.single_documents or layout.files == 1 or layout.count == 1)
 
     def _fingerprint(self) -> dict[str, Any]:
         d = asdict(self.cfg)
         d.pop("seq_len")  # the position is in tokens, so a new window length can resume it
         d["tokenizer"] = repr(self.tokenizer)
+        d["files"] = self.sharding.files  # every document's key depends on it
         return d
 
     def __iter__(self) -> Iterator[torch.Tensor]:
