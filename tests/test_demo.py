@@ -60,6 +60,11 @@ def _check(report: dict, regions: list[str]) -> None:
         # step it overshoots its window by)
         assert trained <= 1.01 * report["baseline_equal_work_g"][site["site"]], site
         assert site["emissions_g"] == pytest.approx(sum(by_state.values()))
+    # the run report beside it (greenswarm report): every section drawn from what the sites wrote
+    page = Path(report["report_html"]).read_text()
+    for section in ("loss", "states", "rounds", "emissions", "totals"):
+        assert f'<section id="{section}">' in page, section
+    assert 'class="missing"' not in page
 
 
 def test_demo_on_the_builtin_trace_and_the_curtail_llm_trace(tmp_path: Path) -> None:
