@@ -96,6 +96,19 @@ def _parser() -> argparse.ArgumentParser:
         help="do not relay for sites behind NAT (by default the bootstrap carries their connections)",
     )
     boot.add_argument("--json", action="store_true", help="print the peer id and addresses as JSON")
+    boot.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (peers, relayed connections and bytes; "
+        "docs/metrics.md); off by default",
+    )
+    boot.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics endpoint binds (default: 127.0.0.1, this machine only)",
+    )
 
     node = sub.add_parser(
         "node",
@@ -495,6 +508,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                     "initial_peers": args.initial_peers,
                     "relay": not args.no_relay,
                     "authority": args.authority,
+                    "metrics_port": args.metrics_port,
+                    "metrics_host": args.metrics_host,
                 },
                 source="arguments",
             )

@@ -115,6 +115,13 @@ def add_p2pd_mode(name: str, flags: dict[str, Any]) -> None:
     P2P.FORCE_REACHABILITY_MAPPING.setdefault(name, flags)
 
 
+def p2pd_mode(name: str | None) -> dict[str, Any]:
+    """The p2pd flags hivemind's P2P passes for ``force_reachability=name`` (none for None)."""
+    from hivemind.p2p import P2P
+
+    return dict(P2P.FORCE_REACHABILITY_MAPPING.get(name, {})) if name else {}
+
+
 async def dial(p2p: Any, peer: Any, addr: Any) -> None:
     """Connect the daemon to ``peer`` at ``addr`` (hivemind's P2P has no public dial)."""
     await p2p._client.connect(peer, [addr])

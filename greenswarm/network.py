@@ -23,7 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from greenswarm.errors import ConfigError, SwarmError
-from greenswarm.hivemind_internals import add_p2pd_mode
+from greenswarm.hivemind_internals import add_p2pd_mode, p2pd_mode
 from greenswarm.procs import exit_with_parent, reap_children
 
 if TYPE_CHECKING:
@@ -216,6 +216,18 @@ def relay_service_options() -> dict[str, Any]:
     return {"force_reachability": RELAY_SERVICE_MODE}
 
 
+def with_p2pd_metrics(options: dict[str, Any], addr: str) -> dict[str, Any]:
+    """:func:`start_dht`'s ``options`` with the p2p daemon also serving libp2p's own Prometheus metrics
+    on ``addr`` (``host:port``): the relay service counts its circuits and the bytes it carried there,
+    which the daemon's control API does not report. A p2pd flag travels only in a named mode (see
+    :func:`_register_p2pd_modes`), so this registers the options' mode plus ``-metricsAddr``."""
+    _register_p2pd_modes()
+    base = options.get("force_reachability")
+    name = f"{base or 'greenswarm'}+metrics@{addr}"
+    add_p2pd_mode(name, {**p2pd_mode(base), "metricsAddr": addr})
+    return {**options, "force_reachability": name}
+
+
 #: Seconds to wait before each retry when no initial peer answered: a bootstrap that is restarting,
 #: or one flooded by many sites starting at once (or starved of CPU on a busy machine), answers a
 #: moment later. A site waits 15 s in all: a refused dial fails at once, so a shorter schedule gave
@@ -351,6 +363,17 @@ def run_in_dht(dht: DHT, coro_fn: Callable[[Any, Any], Awaitable[Any]], timeout_
     ``coro_fn`` must pickle (a module-level function, or a ``partial`` of one): it crosses a pipe.
     """
     return dht.run_coroutine(partial(_held_and_bounded, coro_fn, timeout_s), return_future=True)
+
+
+def connections(dht: DHT, timeout_s: float = 2.0) -> dict[str, list[str]]:
+    """The peers ``dht``'s p2p daemon is connected to now, with the addresses it uses for each (a
+    ``/p2p-circuit`` one: carried by a relay). Raises when the daemon does not answer in time."""
+    return run_in_dht(dht, _list_connections, timeout_s).result(timeout=timeout_s + 1.0)
+
+
+async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:
+    """Runs in the DHT process (see :func:`connections`)."""
+    return {str(peer.peer_id): [str(a) for a in peer.addrs] for peer in await node.p2p.list_peers()}
 
 
 async def _held_and_bounded(

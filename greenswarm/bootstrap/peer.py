@@ -14,9 +14,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.bootstrap.metrics import BootstrapCollector, loopback_address
 from greenswarm.bootstrap.relay_check import check_address, relay_carries
 from greenswarm.errors import ConfigError, SwarmError
-from greenswarm.network import check_maddr, relay_service_options, start_dht, visible_peer_maddrs
+from greenswarm.network import (
+    check_maddr,
+    relay_service_options,
+    start_dht,
+    visible_peer_maddrs,
+    with_p2pd_metrics,
+)
+from greenswarm.node.metrics import open_endpoint
 from greenswarm.node.progress import record_validators
 from greenswarm.security.admission import Admission
 
@@ -35,7 +43,8 @@ class BootstrapConfig:
     (behind a port forward or in a cloud VM, the public IP); ``identity``: the key file that keeps the
     peer id stable across restarts; ``swarm``: the swarm whose records this peer validates;
     ``authority``: that swarm's authority public key, in a certified swarm (the bootstrap then stores
-    members' records only: an intruder's entry stored next to theirs would make readers drop them)."""
+    members' records only: an intruder's entry stored next to theirs would make readers drop them);
+    ``metrics_port``: serve Prometheus metrics on ``metrics_host:metrics_port`` (None or 0: off)."""
 
     identity: str
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"])
@@ -44,6 +53,8 @@ class BootstrapConfig:
     initial_peers: list[str] = field(default_factory=list)  # other bootstrap peers, for redundancy
     relay: bool = True  # carry connections for sites behind NAT (circuit relay with raised limits)
     authority: str | None = None  # the swarm authority's public key (.pub), in a certified swarm
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         if not self.listen:
@@ -54,6 +65,12 @@ class BootstrapConfig:
             check_maddr(m, "announce", need_peer_id=False)
         for m in self.initial_peers:
             check_maddr(m, "initial_peers", need_peer_id=True)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"must be a TCP port (0 or unset: off), got {self.metrics_port}", field="metrics_port"
+            )
+        if not self.metrics_host.strip():
+            raise ConfigError("must name an address to bind (127.0.0.1 by default)", field="metrics_host")
 
 
 class BootstrapPeer:
@@ -64,6 +81,8 @@ class BootstrapPeer:
         self.peer_id = load_or_create_identity(cfg.identity)
         self.admission = Admission.from_files(cfg.swarm, cfg.authority) if cfg.authority else None
         self._stopped = threading.Event()
+        # with metrics, the daemon's own (the relay's counters) on a private port; see bootstrap/metrics.py
+        self.p2pd_metrics = loopback_address() if cfg.metrics_port else None
         if cfg.relay:
             # p2pd starts a second relay service with go-libp2p's defaults (128 KiB and 2 min per
             # connection) that races the configured one; with one Go thread the configured one
@@ -96,13 +115,16 @@ class BootstrapPeer:
 
     def _start(self) -> DHT:
         cfg = self.cfg
+        options = relay_service_options() if cfg.relay else {}
+        if self.p2pd_metrics:
+            options = with_p2pd_metrics(options, self.p2pd_metrics)
         return start_dht(
             cfg.initial_peers,
             host_maddrs=cfg.listen,
             announce_maddrs=cfg.announce,
             identity_path=cfg.identity,
             record_validators=record_validators(cfg.swarm, self.admission),
-            **(relay_service_options() if cfg.relay else {}),
+            **options,
         )
 
     def wait(self) -> None:
@@ -121,8 +143,17 @@ def serve(cfg: BootstrapConfig, as_json: bool = False) -> int:
 
     from greenswarm.procs import on_termination, reap_children
 
-    peer = BootstrapPeer(cfg)
+    # bound first: a port in use is one line at once, before the daemon and the relay check
+    endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "--metrics-port")
+    try:
+        peer = BootstrapPeer(cfg)
+    except BaseException:
+        if endpoint is not None:
+            endpoint.close()
+        raise
     on_termination(peer.stop)
+    if endpoint is not None:
+        endpoint.register(BootstrapCollector(peer))
     try:
         if as_json:
             print(
@@ -141,6 +172,8 @@ def serve(cfg: BootstrapConfig, as_json: bool = False) -> int:
             print(f"relay for sites behind NAT: {peer.relay_check}", flush=True)
         peer.wait()
     finally:
+        if endpoint is not None:
+            endpoint.close()
         peer.shutdown()
         reap_children()
     log.info("bootstrap peer stopped")

@@ -96,6 +96,8 @@ class NodeConfig:
     checkpoint is ~20 GB, too much for every round; a site that crashes resumes from its last one,
     catches up with the swarm and trains the data since then again. A stop always writes one, and so
     does an outer step whose held-out loss may be kept among the best (``eval.keep_best``).
+    ``metrics_port``: serve Prometheus metrics on ``metrics_host:metrics_port`` (None or 0: off;
+    docs/metrics.md). Loopback by default: the metrics name the site and its peer id.
     """
 
     run_dir: str = "runs/site"
@@ -116,6 +118,8 @@ class NodeConfig:
     checkpoint_every_s: float = (
         0.0  # write the checkpoint after an outer step only this often (0: every step)
     )
+    metrics_port: int | None = None  # Prometheus endpoint (None or 0: off)
+    metrics_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")
@@ -140,6 +144,12 @@ class NodeConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"must be a TCP port (0 or unset: off), got {self.metrics_port}", field="metrics_port"
+            )
+        if not self.metrics_host.strip():
+            raise ConfigError("must name an address to bind (127.0.0.1 by default)", field="metrics_host")
         if self.progress_ttl_s <= self.progress_refresh_s:
             raise ConfigError(
                 f"must exceed progress_refresh_s ({self.progress_refresh_s}) or records flicker",

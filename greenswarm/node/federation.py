@@ -132,6 +132,7 @@ class Federation:
         self.agreement_seconds: list[float] = []  # digest exchange and decision, per averaged round
         self.wire = ""  # the wire format of the last averaged round
         self.wire_rounds: dict[str, int] = {}  # averaged rounds by wire format
+        self.wire_bytes: dict[str, float] = {}  # bytes those sent (as many came back), nominally
         self.first_round_s: float | None = None  # seconds from the node's start to its first averaged round
 
     def run(
@@ -211,6 +212,8 @@ class Federation:
         self.round_seconds.append(outcome.seconds)
         self.wire = outcome.wire
         self.wire_rounds[outcome.wire] = self.wire_rounds.get(outcome.wire, 0) + 1
+        sent = outcome.report.wire_bytes if outcome.report is not None else 0.0
+        self.wire_bytes[outcome.wire] = self.wire_bytes.get(outcome.wire, 0.0) + sent
         if self.first_round_s is None:
             self.first_round_s = time.monotonic() - self.started
             self.log.info("first averaging round completed %.1f s after start", self.first_round_s)

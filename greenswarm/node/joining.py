@@ -18,7 +18,7 @@ from greenswarm.averaging.averager import StateProvider, SwarmAverager
 from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
 from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
-from greenswarm.network import relay_options, resolve_reachability, run_in_dht, start_dht
+from greenswarm.network import connections, relay_options, resolve_reachability, start_dht
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressPublisher, live_members, record_validators
@@ -50,7 +50,7 @@ class SwarmParts:
         """The peers this site's p2p daemon is connected to now, with the addresses it uses for each:
         a site behind NAT shows ``/p2p-circuit`` addresses for every other site (it never dialled
         one directly). Raises when the daemon does not answer in time."""
-        return run_in_dht(self.dht, _list_connections, timeout_s).result(timeout=timeout_s + 1.0)
+        return connections(self.dht, timeout_s)
 
     def connections_or(self, previous: dict[str, list[str]], log: logging.Logger) -> dict[str, list[str]]:
         """:meth:`connections`, or ``previous`` when the daemon does not answer: a diagnostic must
@@ -182,11 +182,6 @@ def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:
         stop()
     except Exception as e:  # shutting down: report and go on with the rest
         log.debug("shutdown of %s failed: %r", type(part).__name__, e)
-
-
-async def _list_connections(_dht: Any, node: Any) -> dict[str, list[str]]:
-    """Runs inside the DHT process (see :meth:`SwarmParts.connections`)."""
-    return {str(peer.peer_id): [str(a) for a in peer.addrs] for peer in await node.p2p.list_peers()}
 
 
 def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm: str) -> None:

@@ -157,6 +157,12 @@ class ProgressPublisher:
             self._thread.start()
         return True
 
+    @property
+    def last_record(self) -> ProgressRecord | None:
+        """The record last written (None before the first): what the swarm now reads of this site."""
+        wire = self._wire
+        return None if wire is None else ProgressRecord.from_wire(wire)
+
     def _write(self) -> None:
         from hivemind.utils import get_dht_time
 

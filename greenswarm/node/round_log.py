@@ -50,14 +50,35 @@ class RoundEntry:
     pid: int = 0
 
 
+@dataclass
+class RoundTotals:
+    """The seconds of this process's rounds, summed as their lines are written: the node's metrics
+    (``greenswarm_round_seconds``, ``greenswarm_round_blocked_seconds``) read them at scrape time instead
+    of reading the file back."""
+
+    rounds: int = 0
+    blocked_s: float = 0.0  # training held up, all rounds
+    attempts: int = 0  # rounds with an averaging attempt
+    round_s: float = 0.0  # their matchmaking and all-reduce
+
+    def add(self, entry: RoundEntry) -> None:
+        self.rounds += 1
+        self.blocked_s += entry.blocked_s
+        if entry.round_s is not None:
+            self.attempts += 1
+            self.round_s += entry.round_s
+
+
 class RoundLog:
     """Appends :class:`RoundEntry` lines to ``directory/rounds.jsonl``."""
 
     def __init__(self, directory: str | Path, started: float):
         self.path = Path(directory) / FILE
         self.started = started  # time.monotonic() at process start
+        self.totals = RoundTotals()
 
     def write(self, entry: RoundEntry) -> None:
+        self.totals.add(entry)
         entry.since_start_s = round(time.monotonic() - self.started, 3)
         entry.wall_time = time.time()
         entry.pid = os.getpid()

@@ -34,6 +34,7 @@ from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.history import History
 from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
+from greenswarm.node.metrics import MetricsEndpoint, serve_site_metrics
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
@@ -96,6 +97,7 @@ class SiteNode:
         self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
+        self.metrics: MetricsEndpoint | None = None  # node.metrics_port: Prometheus, from the start of run
         self.history = History(cfg.node.run_dir, cfg.node.log_every_s)  # what a run report reads
         if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
             self.schedule.bind(self._work_done, peers=self._plan_peers)
@@ -112,6 +114,7 @@ class SiteNode:
             self.ranks.follow()
             return None
         try:
+            self.metrics = serve_site_metrics(self)  # before joining: a port in use fails at once
             self._start()
             if self._replay_started():
                 self._loop()
@@ -386,3 +389,5 @@ class SiteNode:
         self.ranks.stop()
         if self.swarm is not None:
             self.swarm.close(self.log)
+        if self.metrics is not None:
+            self.metrics.close()
