@@ -87,6 +87,9 @@ def export_run(
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out} exists and is not empty; pass --force to replace it", field="--out")
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the command prints what it wrote, once
     model = _rebuild(described["config"], names, shapes, flat)
     site = payload.get("site", {})
     provenance = {

@@ -284,7 +284,10 @@ def _from_config(auto: Any, config: PretrainedConfig, cfg: ModelConfig) -> torch
 
 
 def _from_pretrained(auto: Any, directory: str) -> torch.nn.Module:
+    from transformers.utils import logging as transformers_logging
+
     path = weights_dir(directory)
+    transformers_logging.disable_progress_bar()  # a bar per start in the node's log says nothing
     try:
         model = auto.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
     except Exception as e:  # damaged weights, an unknown architecture, missing tensors ...
