@@ -295,15 +295,15 @@ class SiteNode:
                 "then is unknown)",
                 gap / 3600.0,
             )
-        trainer = self.trainer  # what ``greenswarm export`` needs to turn checkpoints into a model directory
-        describe_model(
-            cfg.node.run_dir, trainer.model, trainer.names, trainer.shapes, cfg.model, trainer.identity
         # where continued pretraining starts, on the held-out shard its loss will be measured on
         if not resumed and cfg.model.init_from is not None and cfg.eval.enabled:
             self.stats.eval_loss = self.ranks.evaluate()
             self.log.info(
                 "held-out loss of the starting model (%s): %.4f", cfg.model.source, self.stats.eval_loss
             )
+        trainer = self.trainer  # what ``greenswarm export`` needs to turn checkpoints into a model directory
+        describe_model(
+            cfg.node.run_dir, trainer.model, trainer.names, trainer.shapes, cfg.model, trainer.identity
         )
         self.swarm, self.membership = join_swarm(
             cfg, outer.numel, self.global_state.served, self.faults, self.log, self.trainer.identity
