@@ -49,7 +49,10 @@ def test_a_config_json_builds_its_architecture_at_the_tokenizers_side_and_the_sa
     ia, preset = model_identity(a, "bytes/259"), model_identity(build_model(ModelConfig(), 259), "bytes/259")
     assert ia == model_identity(b, "bytes/259") and ia != preset
     assert ModelIdentity.from_wire(ia.to_wire()) == ia
-    assert model_identity(a, "other/259") != ia  # the tokenizer is part of it
+    assert model_identity(a, "other/259").differences(ia) == ["tokenizer"]
+    reseeded = model_identity(build_model(ModelConfig(config=str(directory), seed=1), 259), "bytes/259")
+    assert reseeded.differences(ia) == ["starting weights (model.seed, model.init_from)"]
+    assert reseeded.key != ia.key  # and they never meet in an averaging group
 
 
 def test_model_sources_are_checked_at_load_time_with_the_field_named(tmp_path: Path) -> None:
@@ -65,6 +68,12 @@ def test_model_sources_are_checked_at_load_time_with_the_field_named(tmp_path: P
         with pytest.raises(ConfigError) as err:
             config_from_dict(SiteConfig, {**base, "model": model}, source="site.yaml")
         assert where in str(err.value), err.value
+    with_tokenizer = tmp_path / "hf-model"
+    build_model(ModelConfig(config=str(config)), 259).save_pretrained(with_tokenizer)
+    (with_tokenizer / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as err:  # byte ids into a model that reads its own tokenizer's
+        config_from_dict(SiteConfig, {**base, "model": {"init_from": str(with_tokenizer)}})
+    assert "model.tokenizer" in str(err.value) and "has its own tokenizer" in str(err.value)
     with pytest.raises(ConfigError, match="not both"):
         config_from_dict(SiteConfig, {**base, "model": {"config": str(config), "init_from": str(config)}})
     with pytest.raises(ConfigError, match="does not cover the tokenizer's 400 tokens"):
@@ -110,7 +119,11 @@ def test_a_real_sites_model_goes_out_and_back_in(swarm: Swarm, tmp_path: Path) -
     errors = [line for line in swarm.log("site-b").splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in swarm.log("site-b"), swarm.log("site-b")[-3000:]
     assert "site-b" in errors[0] and "site site-a" in errors[0], errors[0]
-    assert "gpt2" in errors[0] and "llama" in errors[0] and "architecture and parameter count" in errors[0]
+    assert (
+        "gpt2" in errors[0]
+        and "llama" in errors[0]
+        and "architecture, parameter count and starting weights" in errors[0]
+    )
 
     end_wall = swarm.start_replay(["site-a"], start_file) + hours * 3600 / speedup
     assert swarm.wait("site-a", timeout=end_wall + 120 - time.time()) == 0, swarm.log("site-a")[-4000:]
@@ -181,8 +194,10 @@ def test_an_export_carries_the_sites_own_tokenizer_and_its_fingerprint_tells_voc
 
     words = ["[UNK]", "<eos>", *(f"w{i}" for i in range(40))]
     tok = tokenizer(tmp_path / "tok", words)
-    other = tokenizer(tmp_path / "tok2", [*words[:-1], "different"])
-    assert load_tokenizer(tok).fingerprint != load_tokenizer(other).fingerprint  # same size, other words
+    other = tokenizer(tmp_path / "b" / "tok", [*words[:-1], "different"])  # same size and folder name
+    same = tokenizer(tmp_path / "elsewhere", words)
+    assert load_tokenizer(tok).fingerprint != load_tokenizer(other).fingerprint
+    assert load_tokenizer(tok).fingerprint == load_tokenizer(same).fingerprint  # where it lies is no part
     cfg = ModelConfig(tokenizer=tok)
     model = build_model(cfg, 42)
     names, shapes = zip(*[(n, p.shape) for n, p in model.named_parameters()], strict=True)
@@ -192,6 +207,13 @@ def test_an_export_carries_the_sites_own_tokenizer_and_its_fingerprint_tells_voc
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     Checkpointer(run_dir).save({"outer": [flat, torch.zeros_like(flat)], "site": {"outer_round": 3}})
 
+    for out in (run_dir, run_dir / "sub", tmp_path):  # never over (or around) the run itself
+        with pytest.raises(ConfigError, match="the run directory"):
+            export_run(run_dir, out, force=True)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no earlier export"):
+        export_run(run_dir, tmp_path / "taken", force=True)
     report = export_run(run_dir, tmp_path / "out")
     assert report["outer_round"] == 3 and report["tokenizer_saved"].startswith("saved from")
     assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("w3 w7") == [5, 9]

@@ -66,15 +66,15 @@ class Checkpointer:
         fsync_directory(self.directory)  # make the renames themselves durable
         return self.path
 
-    def load(self) -> dict[str, Any] | None:
-        """The newest verified checkpoint, or None when there is none.
+    def load(self, mmap: bool = False) -> dict[str, Any] | None:
+        """The newest verified checkpoint, or None when there is none (``mmap``: see :meth:`read`).
 
         A complete, verified ``checkpoint.pt.tmp`` is the newest of all: the process died after
         writing and syncing it but before renaming it into place (a torn one fails verification and
         is skipped). Then ``checkpoint.pt``, then ``checkpoint.prev.pt``.
         """
         for path in (self.pending, self.path, self.previous):
-            content = self.read(path)
+            content = self.read(path, mmap=mmap)
             if content is not None:
                 if path == self.pending:
                     log.warning("using %s: a save was interrupted after it was written", path)
@@ -84,8 +84,12 @@ class Checkpointer:
         return None
 
     @staticmethod
-    def read(path: str | Path) -> dict[str, Any] | None:
+    def read(path: str | Path, mmap: bool = False) -> dict[str, Any] | None:
         """The verified payload of one checkpoint file, or None when it is missing, unreadable or damaged.
+
+        ``mmap``: map the file's tensors instead of reading them into memory (copy-on-write), for a
+        reader that uses a small part of a big checkpoint (``greenswarm export`` needs the global model,
+        not every rank's optimizer state); the digest check still reads every byte once.
 
         The one check behind :meth:`load`, for any file this class wrote (e.g. the best checkpoints
         kept by :class:`~greenswarm.node.evaluation.BestCheckpoints`, which are links or copies of it):
@@ -95,7 +99,7 @@ class Checkpointer:
         if not path.exists():
             return None
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=False)
+            payload = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         except Exception as e:  # torn or corrupted file: say so; the caller decides what to try next
             log.warning("checkpoint %s is unreadable (%s)", path, e)
             return None

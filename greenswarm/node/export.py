@@ -84,8 +84,7 @@ def export_run(
             f"{source} holds a model of {flat.numel():,} values, but {run_dir / MODEL_FILE} describes "
             f"{expected:,}: the run directory was reused for another model"
         )
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConfigError(f"{out} exists and is not empty; pass --force to replace it", field="--out")
+    _check_out(out, run_dir, force)
 
     from transformers.utils import logging as transformers_logging
 
@@ -102,19 +101,10 @@ def export_run(
         "source": described["source"],
         "tokenizer": described["tokenizer"],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer_note = _save_tokenizer(described["tokenizer"], staging)
-        provenance["tokenizer_saved"] = tokenizer_note
-        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)  # a reader sees the old directory or the whole new one
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        _write(model, provenance, out)
+    except OSError as e:  # a full disk, no permission, a path through a file
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}", field="--out") from None
     params = sum(p.numel() for p in model.parameters())
     return {
         "out": str(out),
@@ -123,6 +113,48 @@ def export_run(
         "files": sorted(p.name for p in out.iterdir()),
         **provenance,
     }
+
+
+def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    """Refuse an ``out`` that would overwrite the run itself, or anything but an earlier export."""
+    target, run = out.resolve(), run_dir.resolve()
+    if target == run or run in target.parents or target in run.parents:
+        raise ConfigError(
+            f"{out} is the run directory {run_dir}, inside it or above it; write the model elsewhere",
+            field="--out",
+        )
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; name a directory to write the model into", field="--out")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / PROVENANCE_FILE).is_file():
+            raise ConfigError(
+                f"{out} is not empty and holds no earlier export ({PROVENANCE_FILE}); name a new directory",
+                field="--out",
+            )
+        if not force:
+            raise ConfigError(f"{out} holds an earlier export; pass --force to replace it", field="--out")
+
+
+def _write(model: Any, provenance: dict[str, Any], out: Path) -> None:
+    """Write the directory beside ``out`` and swap it in: a reader finds the old export or the new one
+    (an earlier one is moved aside first and removed last)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    old = out.with_name(f".{out.name}.old")
+    try:
+        model.save_pretrained(staging)
+        provenance["tokenizer_saved"] = _save_tokenizer(provenance["tokenizer"], staging)
+        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)  # put the earlier export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_description(run_dir: Path) -> dict[str, Any]:
@@ -146,13 +178,13 @@ def _checkpoint(run_dir: Path, best: bool) -> tuple[dict[str, Any], Path, BestEn
     """The verified checkpoint to export: the newest, or the best kept one; with its kept entry."""
     checkpointer = Checkpointer(run_dir)
     if not best:
-        payload = checkpointer.load()
+        payload = checkpointer.load(mmap=True)
         if payload is None:
             raise GreenswarmError(f"{run_dir} holds no verified checkpoint (checkpoint.pt)")
         return payload, checkpointer.path, None
     for entry in sorted(kept_best(run_dir), key=BestEntry.key):
         path = run_dir / BEST_DIR / entry.file
-        payload = checkpointer.read(path)
+        payload = checkpointer.read(path, mmap=True)
         if payload is not None:
             return payload, path, entry
         log.warning("%s does not verify; trying the next best", path)

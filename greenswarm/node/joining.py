@@ -111,7 +111,7 @@ def join_swarm(
         peer_id = dht.peer_id.to_base58()
         averager = SwarmAverager(
             dht,
-            f"{swarm.name}-avg" + (f"-{model.digest}" if model else ""),
+            f"{swarm.name}-avg" + (f"-{model.key}" if model else ""),
             numel,
             cfg.averaging,
             served,
@@ -186,26 +186,25 @@ def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:
 
 def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm: str) -> None:
     """Refuse to train in a swarm whose live sites train another model: one line naming both sides
-    and what differs (architecture, parameter count, tokenizer). Averaging them could not work (the
-    vectors differ in length or meaning), and neither could adopting their state."""
+    and what differs (architecture, parameter count, tokenizer, starting weights). Averaging them could
+    not work (the vectors differ in length or meaning, or start from different places), and neither
+    could adopting their state."""
     view.poll_now()
     unlike = view.unlike()
     if not unlike:
         return
     other = unlike[0]
     theirs = ModelIdentity.from_wire(other.model or "")
-    differs = [
-        what
-        for what, mine, them in (
-            ("architecture", model.architecture, theirs and theirs.architecture),
-            ("parameter count", model.parameters, theirs and theirs.parameters),
-            ("tokenizer", model.tokenizer, theirs and theirs.tokenizer),
-        )
-        if mine != them
-    ] or ["configuration"]
+    differs = model.differences(theirs) if theirs else ["greenswarm version"]
     raise ConfigError(
         f"this site ({site}) trains {model}, but site {other.site} ({other.peer_id}) of swarm '{swarm}' "
-        f"trains {describe_model(other.model)}: the {' and '.join(differs)} differ; every site of a swarm "
-        "must train the same model (model.preset / model.config / model.init_from, model.tokenizer)",
+        f"trains {describe_model(other.model)}: they differ in {_in_words(differs)}; every site of a "
+        "swarm must train the same model from the same start (model.preset / model.config / model.init_from, "
+        "model.tokenizer, model.seed) with the same greenswarm",
         field="model",
     )
+
+
+def _in_words(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

@@ -129,7 +129,14 @@ class ModelConfig:
         if self.config is not None:
             config_file(self.config, "config")
         if self.init_from is not None:
-            weights_dir(self.init_from)
+            path = weights_dir(self.init_from)
+            own = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+            if own and self.tokenizer == "bytes":
+                raise ConfigError(
+                    f"model.init_from {self.init_from!r} has its own tokenizer ({own[0]}); set "
+                    f"model.tokenizer: {self.init_from} (its embeddings would read byte ids as its tokens)",
+                    field="tokenizer",
+                )
 
     @property
     def source(self) -> str:
@@ -148,6 +155,10 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+
+
+#: files that say a model directory comes with a Hugging Face tokenizer of its own
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def config_file(spec: str, field: str) -> Path:
@@ -305,34 +316,66 @@ def _from_pretrained(auto: Any, directory: str) -> torch.nn.Module:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What must be equal at every site of a swarm: architecture, parameter count and tokenizer.
+    """What must be equal at every site of a swarm: architecture, parameter count, tokenizer and the
+    weights training starts from.
 
     ``digest`` covers the architecture's config (less what does not change the computation: names,
     versions, the KV cache, the attention kernel), every parameter's name and shape, and the
-    tokenizer's vocabulary. A progress record carries :meth:`to_wire`; a site refuses to train with a
-    site whose identity differs, naming both.
+    tokenizer's fingerprint; ``weights`` is a fingerprint of the starting weights (a preset's seed, a
+    config's seed, an ``init_from`` directory's weights): sites that start from different weights would
+    average progress made from different places. ``transformers`` is the library's version, named in
+    a refusal because a config's keys can differ between versions. A progress record carries
+    :meth:`to_wire`; a site refuses to train with a site whose identity differs, naming both.
     """
 
     architecture: str
     parameters: int
     tokenizer: str
     digest: str
+    weights: str
+    transformers: str = ""
 
     def __str__(self) -> str:
         return (
-            f"{self.architecture}, {self.parameters:,} parameters, tokenizer {self.tokenizer} [{self.digest}]"
+            f"{self.architecture}, {self.parameters:,} parameters, tokenizer {self.tokenizer}, "
+            f"starting weights {self.weights} [{self.digest}]"
         )
 
+    @property
+    def key(self) -> str:
+        """What averaging groups are keyed by: sites of another model never meet this one."""
+        return f"{self.digest}{self.weights}"
+
+    def differences(self, other: ModelIdentity) -> list[str]:
+        """What differs from ``other``, in words."""
+        named = [
+            what
+            for what, a, b in (
+                ("architecture", self.architecture, other.architecture),
+                ("parameter count", self.parameters, other.parameters),
+                ("tokenizer", self.tokenizer, other.tokenizer),
+                ("starting weights (model.seed, model.init_from)", self.weights, other.weights),
+            )
+            if a != b
+        ]
+        if not named and self.digest != other.digest:
+            versions = ""
+            if self.transformers != other.transformers:
+                versions = f" (transformers {self.transformers} here, {other.transformers} there)"
+            named = [f"configuration{versions}"]
+        return named
+
     def to_wire(self) -> str:
-        return "|".join((self.architecture, str(self.parameters), self.tokenizer, self.digest))
+        fields = (self.architecture, str(self.parameters), self.tokenizer, self.digest, self.weights)
+        return "|".join((*fields, self.transformers))
 
     @classmethod
     def from_wire(cls, text: str) -> ModelIdentity | None:
         """The identity a record carries (None when it is not one)."""
         parts = text.split("|")
-        if len(parts) != 4 or not parts[1].isdigit():
+        if len(parts) != 6 or not parts[1].isdigit():
             return None
-        return cls(parts[0], int(parts[1]), parts[2], parts[3])
+        return cls(parts[0], int(parts[1]), parts[2], parts[3], parts[4], parts[5])
 
 
 #: config keys that name, version or tune a model without changing what it computes
@@ -344,13 +387,35 @@ _NOT_ARCHITECTURE = {
 
 
 def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str) -> ModelIdentity:
-    """The :class:`ModelIdentity` of a built (unsharded) model and its tokenizer."""
+    """The :class:`ModelIdentity` of a built (unsharded, not yet trained) model and its tokenizer."""
+    import transformers
+
     config = model.config  # type: ignore[union-attr]
     arch = {k: v for k, v in config.to_dict().items() if k not in _NOT_ARCHITECTURE}
     shapes = [(name, list(p.shape)) for name, p in model.named_parameters()]
     blob = json.dumps([arch, shapes, tokenizer_fingerprint], sort_keys=True, default=str).encode()
     digest = hashlib.blake2b(blob, digest_size=6).hexdigest()
-    return ModelIdentity(str(config.model_type), count_parameters(model), tokenizer_fingerprint, digest)
+    return ModelIdentity(
+        str(config.model_type),
+        count_parameters(model),
+        tokenizer_fingerprint,
+        digest,
+        weights_fingerprint(model),
+        str(transformers.__version__),
+    )
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module, per_tensor: int = 1024) -> str:
+    """A fingerprint of a model's weights from an evenly strided sample of each tensor: cheap at any
+    size and on any device (a billion parameters are not hashed at every start), and different for
+    any two inits or checkpoints that differ anywhere but by chance in every sampled value."""
+    digest = hashlib.blake2b(digest_size=4)
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // per_tensor)
+        digest.update(flat[::step][:per_tensor].to("cpu", torch.float32).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

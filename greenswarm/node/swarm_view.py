@@ -50,9 +50,8 @@ class SwarmView:
         except Exception as e:  # the DHT may be shutting down or briefly unreachable
             log.debug("progress poll failed: %r", e)
             return
-        unlike = [
-            r for r in records if self.model and r.model and r.model != self.model and r.peer_id != self.me
-        ]
+        # (a record without a model is an older greenswarm's: it averages under another key)
+        unlike = [r for r in records if self.model and r.model != self.model and r.peer_id != self.me]
         for record in unlike:
             if record.peer_id not in self._said_unlike:
                 self._said_unlike.add(record.peer_id)
@@ -98,5 +97,7 @@ class SwarmView:
 
 def describe_model(wire: str | None) -> str:
     """A record's model identity as a person reads it (the raw text when it is not one)."""
-    identity = ModelIdentity.from_wire(wire or "")
+    if not wire:
+        return "a model it does not name (an older greenswarm: upgrade every site)"
+    identity = ModelIdentity.from_wire(wire)
     return str(identity) if identity else repr(wire)

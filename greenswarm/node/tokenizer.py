@@ -79,12 +79,7 @@ class HFTokenizer:
         pad = tokenizer.pad_token_id
         self.bos_id = int(bos) if bos is not None else self.eos_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
-        # what sites compare: the vocabulary itself (token -> id), not the directory it was read from
-        vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)
-        digest = hashlib.blake2b(vocab.encode(), digest_size=4).hexdigest()
-        self.fingerprint = (
-            f"{os.path.basename(os.path.normpath(name)).replace('|', '_') or 'hf'}/{self.vocab_size}/{digest}"
-        )
+        self.fingerprint = f"hf/{self.vocab_size}/{_tokenizer_digest(tokenizer)}"
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without the tokenizer's own BOS/EOS (the data pipeline places EOS)."""
@@ -134,3 +129,16 @@ def _first_not_none(*values: int | None) -> int | None:
         if v is not None:
             return v
     return None
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    """What two sites compare: how the tokenizer splits text, not where it was read from. A fast
+    tokenizer's whole serialised state (vocabulary, merges, normaliser, pre-tokeniser, added tokens);
+    a slow one's vocabulary and added tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = backend.to_str()
+    else:
+        vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        state = json.dumps([vocab, sorted(map(str, tokenizer.all_special_tokens))], ensure_ascii=False)
+    return hashlib.blake2b(state.encode(), digest_size=4).hexdigest()
