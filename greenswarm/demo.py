@@ -257,13 +257,23 @@ def run_demo(opts: DemoOptions) -> int:
 
 def _html_report(workdir: Path, regions: list[str]) -> str | None:
     """The run report of the demo's sites (``greenswarm report``) beside report.json; its path, or None
-    (said in one line) when it could not be written: the run itself succeeded."""
-    from greenswarm.report.build import write_report
+    (said in one line on stderr) when it could not be written.
 
+    Any exception is caught, not only :class:`GreenswarmError`: the report is drawn after the run, so a
+    matplotlib or numpy error (an odd run directory, a backend problem) must not turn a run that
+    succeeded into a traceback and a failing exit code. ``greenswarm report WORKDIR`` redraws it.
+    """
+    out = workdir / "report.html"
     try:
-        return write_report([workdir / _site_name(r) for r in regions], workdir / "report.html")["out"]
-    except GreenswarmError as err:
-        print(f"greenswarm demo: the run report was not written: {err}", file=sys.stderr)
+        from greenswarm.report.build import write_report
+
+        return write_report([workdir / _site_name(r) for r in regions], out)["out"]
+    except Exception as err:  # any: the run's outcome stands (see the docstring)
+        why = (str(err).splitlines() or [""])[0] or "no message"
+        print(
+            f"greenswarm demo: the run report {out} was not written: {type(err).__name__}: {why}",
+            file=sys.stderr,
+        )
         return None
 
 

@@ -22,11 +22,15 @@ from typing import Any
 
 import pytest
 
+from greenswarm import demo
 from greenswarm.cli import main
 from greenswarm.node.history import History, read_history, threshold_at
 from greenswarm.node.round_log import RoundEntry, RoundLog
+from greenswarm.report import figures
 from greenswarm.report.build import write_report
-from greenswarm.report.page import SECTIONS
+from greenswarm.report.figures import emission_curves, round_marks
+from greenswarm.report.page import MAX_ROUND_ROWS, SECTIONS
+from greenswarm.report.runs import read_runs
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
 from greenswarm.scheduler.energy import EnergyLedger, PowerModel, baseline_emissions_g
 from greenswarm.scheduler.policy import PercentilePolicy, ThresholdPolicy, WindowSchedule
@@ -65,14 +69,23 @@ def _trace(tmp_path: Path) -> Path:
     return path
 
 
-def make_run(tmp_path: Path, name: str, region: str, *, partners: dict[int, list[str]] | None = None) -> Path:
-    """A site's run directory as a node leaves it: a scripted run over the trace (train while intensity
-    < 100, a round every 30 minutes: federated with ``partners[n]`` at the n-th boundary, else alone), its
-    history and round log written by the node's own writers, and its summary from the real ledger."""
+def make_run(
+    tmp_path: Path,
+    name: str,
+    region: str,
+    *,
+    partners: dict[int, list[str]] | None = None,
+    threshold: float = 100.0,
+    under: str = "runs",
+) -> Path:
+    """A site's run directory as a node leaves it, ``tmp_path/under/name``: a scripted run over the
+    trace (train while intensity < ``threshold``, a round every 30 minutes: federated with
+    ``partners[n]`` at the n-th boundary, else alone), its history and round log written by the node's
+    own writers, and its summary from the real ledger."""
     trace_path = _trace(tmp_path)
     trace = load_trace(str(trace_path))
-    run_dir = tmp_path / "runs" / name
-    scheduler = SchedulerConfig(trace=str(trace_path), threshold=100.0)
+    run_dir = tmp_path / under / name
+    scheduler = SchedulerConfig(trace=str(trace_path), threshold=threshold)
     schedule = WindowSchedule(trace, region, scheduler.window_policy())
     clock = FakeClock(trace.start)
     ledger = EnergyLedger(trace, region, PowerModel(2.0, 0.5), start=trace.start)
@@ -267,13 +280,108 @@ def test_a_folder_of_run_directories_counts_as_all_of_them(tmp_path: Path) -> No
     assert [s["site"] for s in written["sites"]] == ["a", "b"]
 
 
-def test_two_runs_of_one_site_are_told_apart_by_their_directories(tmp_path: Path) -> None:
-    first = make_run(tmp_path, "a", "A", partners={6: ["a", "b"]})
-    second = tmp_path / "again" / "a"
-    shutil.copytree(first, second)
-    written = write_report([first, second], tmp_path / "report.html")
-    assert [s["site"] for s in written["sites"]] == ["a (runs/a)", "a (again/a)"]
+def test_two_runs_of_one_site_are_told_apart_by_their_directories_and_both_drawn_and_counted(
+    tmp_path: Path,
+) -> None:
+    # site a twice: a first run that trained all day alone, and a second, with b, that trained in A's
+    # clean half and averaged with b at the 6th boundary. Different emissions, different rounds.
+    first = make_run(tmp_path, "a", "A", threshold=450.0, under="first")
+    together = {6: ["a", "b"]}
+    b = make_run(tmp_path, "b", "B", partners=together)
+    second = make_run(tmp_path, "a", "A", partners=together, under="again")
+    dirs = [first, b, second]
+    written = write_report(dirs, tmp_path / "report.html")
+    assert [s["site"] for s in written["sites"]] == ["a (first/a)", "b", "a (again/a)"]
     assert written["sections"] == dict.fromkeys(SECTION_IDS, "shown")
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    assert summaries[0]["emissions_g"] != pytest.approx(summaries[2]["emissions_g"])
+    runs = read_runs(dirs)
+    # the emissions figure: one curve per run, each its own, and the swarm's sums count all three
+    curves = emission_curves(runs)
+    assert curves is not None and [i for i, _ in curves.drawn] == [0, 1, 2]
+    for actual, summary in zip(curves.actual, summaries, strict=True):
+        assert actual[-1] == pytest.approx(summary["emissions_g"])
+    assert curves.total[-1] == pytest.approx(sum(s["emissions_g"] for s in summaries))
+    assert len(curves.known_baselines) == 3
+    assert curves.known_baselines[0][-1] != pytest.approx(curves.known_baselines[2][-1])
+    rows = {row["site"]: row for row in written["totals"]}
+    assert rows["total"]["emissions_g"] == pytest.approx(sum(s["emissions_g"] for s in summaries))
+    # the rounds figure: each run's own marks on its own row (first run on top), and the group line
+    # joins b to the run of a that averaged with it, not to the first one that bears the same name
+    marks = round_marks(runs)
+    assert marks is not None and marks.rows == [2, 1, 0]
+    for run, row in zip(runs, marks.rows, strict=True):
+        drawn = sorted(t for (r, _), ts in marks.marks.items() if r == row for t in ts)
+        assert drawn == sorted(float(e["slot"]) * SYNC_S for e in run.rounds)
+    assert len(runs[0].rounds) != len(runs[2].rounds)
+    assert (2, "apply") not in marks.marks and len(marks.marks[(0, "apply")]) == 1
+    boundary = marks.marks[(0, "apply")][0]
+    assert marks.groups == [(boundary, 0, 1)]
+
+
+def test_runs_of_one_site_under_folders_of_one_name_get_labels_that_differ(tmp_path: Path) -> None:
+    one = make_run(tmp_path, "a", "A", under="exp1/runs")
+    two = make_run(tmp_path, "a", "A", threshold=450.0, under="exp2/runs")
+    written = write_report([one, two], tmp_path / "report.html")
+    assert [s["site"] for s in written["sites"]] == ["a (exp1/runs/a)", "a (exp2/runs/a)"]
+
+
+def _many_rounds(tmp_path: Path, slots: int) -> list[Path]:
+    """Sites a and b with ``slots`` rounds each and nothing else (no history): every third averaged
+    together, the rest alone; as a production run of weeks leaves its round logs."""
+    first = int(load_trace(str(_trace(tmp_path))).start // SYNC_S)
+    dirs = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / "runs" / name
+        log = RoundLog(run_dir, started=0.0)
+        for n in range(slots):
+            together = n % 3 == 0
+            log.write(
+                RoundEntry(
+                    slot=first + n,
+                    action="apply" if together else "solo",
+                    outer_round=n + 1,
+                    lineage=f"l{n}",
+                    digest="d",
+                    members=["a", "b"] if together else [name],
+                    wire="bf16" if together else "",
+                )
+            )
+        summary = {"site": name, "region": "A", "sync_interval_s": SYNC_S}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        dirs.append(run_dir)
+    return dirs
+
+
+def test_the_rounds_table_of_a_long_run_shows_the_newest_slots_and_says_how_many_are_left_out(
+    tmp_path: Path,
+) -> None:
+    slots = 2500
+    dirs = _many_rounds(tmp_path, slots)
+    written = write_report(dirs, tmp_path / "report.html")
+    assert written["sections"]["rounds"] == "shown"
+    found = sections(Path(written["out"]).read_text())["rounds"]
+    table = found[found.index("<tbody>") :]
+    shown = re.findall(r'<tr><td>[^<]*</td><td class="num">(\d+)</td>', table)
+    first = int(load_trace(str(_trace(tmp_path))).start // SYNC_S)
+    assert [int(s) for s in shown] == list(range(first + slots - MAX_ROUND_ROWS, first + slots))
+    left_out = re.search(r'<p class="note" id="rounds-left-out">([^<]*)</p>', found)
+    assert left_out is not None
+    assert (
+        f"newest {MAX_ROUND_ROWS:,}" in left_out[1] and f"{slots - MAX_ROUND_ROWS:,} earlier" in left_out[1]
+    )
+    assert "rounds.jsonl" in left_out[1] and "figure above" in left_out[1]
+    # the figure still covers every round of both sites, and every averaged group
+    assert re.search(r'<img src="data:image/png;base64,', found)
+    marks = round_marks(read_runs(dirs))
+    assert marks is not None
+    assert sum(len(ts) for ts in marks.marks.values()) == 2 * slots
+    assert len(marks.groups) == len(range(0, slots, 3))
+
+
+def test_a_short_run_has_every_round_slot_in_the_table_and_no_note_of_any_left_out(tmp_path: Path) -> None:
+    found = sections(Path(write_report(two_sites(tmp_path), tmp_path / "r.html")["out"]).read_text())
+    assert "rounds-left-out" not in found["rounds"] and "left out" not in found["rounds"]
 
 
 def test_missing_files_are_said_in_the_page_and_in_one_log_line_each(
@@ -362,6 +470,43 @@ def test_a_path_that_is_no_run_directory_is_one_line_naming_it(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"greenswarm report: error: {path}: ") and "\n" not in err
     assert not (tmp_path / "r.html").exists()
+
+
+# ---------------------------------------------------------------- in the demo
+
+
+def _boom(*_: Any) -> bytes:
+    raise ValueError("Image size of 1100x99999 pixels is too large\nsecond line")
+
+
+@pytest.mark.parametrize("failure", ["drawing", "no site directory"])
+def test_the_demo_says_in_one_line_that_its_report_was_not_written_and_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """A figure that fails to draw (a matplotlib error, not a GreenswarmError) or a site that left no
+    run directory: no report, one line on stderr naming where it would have been and why, no exception
+    (run_demo then goes on to write report.json and return the run's own exit code)."""
+    workdir = tmp_path / "runs"
+    make_run(tmp_path, "site-a", "A")
+    regions = ["A"]
+    if failure == "drawing":
+        monkeypatch.setattr(figures, "emissions_figure", _boom)
+    else:
+        regions.append("B")  # site-b never wrote anything
+    assert demo._html_report(workdir, regions) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(workdir / "report.html") in err, err
+    if failure == "drawing":
+        assert "ValueError: Image size of 1100x99999 pixels is too large" in err
+    else:
+        assert "ReportError: " in err and "site-b: no such directory" in err
+    assert not (workdir / "report.html").exists()
+
+
+def test_the_demo_writes_its_report_beside_the_sites(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    make_run(tmp_path, "site-a", "A")
+    out = demo._html_report(tmp_path / "runs", ["A"])
+    assert out == str((tmp_path / "runs" / "report.html").resolve()) and capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- in a real browser

@@ -8,6 +8,7 @@ axis are drawn by the helpers ``greenswarm windows --plot`` uses, so both read t
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -184,49 +185,112 @@ def states_figure(runs: list[SiteRun]) -> bytes | None:
     return png(fig)
 
 
+@dataclass
+class RoundMarks:
+    """What :func:`rounds_figure` draws, as plain data (tests read it instead of pixels).
+
+    Runs are told apart by their index in ``runs``, never by site name: two runs of one site (which
+    :func:`~greenswarm.report.runs.read_runs` allows) share a name but are two rows.
+    """
+
+    rows: list[int]  # each run's row on the figure, by index in ``runs`` (the first run on top)
+    marks: dict[tuple[int, str], list[float]]  # (row, action): the boundaries (clock s) it ended so
+    groups: list[tuple[float, int, int]]  # an averaged group: (boundary, lowest row, highest row)
+
+
+def round_marks(runs: list[SiteRun]) -> RoundMarks | None:
+    """Every round each run ended, and the rows each averaging group joins; None without any round.
+
+    A group is the runs that recorded the same boundary and lineage. A member a round log names but
+    whose run did not record that round (a truncated rounds.jsonl) is joined too, but only when one
+    run alone has that name: with two runs of one site, which of them was meant cannot be told.
+    """
+    rows = [len(runs) - 1 - i for i in range(len(runs))]
+    runs_named: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):
+        runs_named.setdefault(run.name, []).append(i)
+    marks: dict[tuple[int, str], list[float]] = {}
+    recorded: dict[tuple[float, str], dict[str, set[int]]] = {}  # group: name -> the runs that logged it
+    named: dict[tuple[float, str], set[str]] = {}  # group: the members its lines name
+    for i, run in enumerate(runs):
+        sync = run.sync_interval_s
+        if not sync:
+            continue
+        for entry in run.rounds:
+            if "slot" not in entry:
+                continue
+            t, action = float(entry["slot"]) * sync, str(entry.get("action", "?"))
+            marks.setdefault((rows[i], action), []).append(t)
+            if action != "solo":
+                key = (t, str(entry.get("lineage", "")))
+                recorded.setdefault(key, {}).setdefault(run.name, set()).add(i)
+                named.setdefault(key, set()).update(str(m) for m in entry.get("members") or [])
+    if not marks:
+        return None
+    groups = []
+    for key, logged in recorded.items():
+        joined: set[int] = set()
+        for name in named[key] | set(logged):
+            if name in logged:
+                joined.update(rows[i] for i in logged[name])
+            elif len(runs_named.get(name, [])) == 1:
+                joined.add(rows[runs_named[name][0]])
+        if len(joined) > 1:
+            groups.append((key[0], min(joined), max(joined)))
+    return RoundMarks(rows, marks, sorted(groups))
+
+
+#: rounds that went wrong drawn over the common ones, so a failure among thousands of rounds shows
+MARK_ZORDER = {"solo": 2, "apply": 3, "resync": 4, "fail": 5}
+#: marks a row holds before they shrink (at 7 points, about what fits the figure's width side by side)
+ROOMY_ROW = 150
+
+
+def _mark_size(drawn: RoundMarks) -> float:
+    """7 points, shrinking (to 2 at the least) as the busiest row fills up: a long run's marks would
+    otherwise merge into one band in which the later kinds hide the earlier."""
+    busiest: dict[int, int] = {}
+    for (row, _), times in drawn.marks.items():
+        busiest[row] = busiest.get(row, 0) + len(times)
+    most = max(busiest.values())
+    return 7.0 if most <= ROOMY_ROW else max(2.0, 7.0 * (ROOMY_ROW / most) ** 0.5)
+
+
 def rounds_figure(runs: list[SiteRun]) -> bytes | None:
     """Every round each site ended, on clock time: a mark per site and outcome, and a line joining the
-    members of each averaged group."""
-    row_of = {id(r): len(runs) - 1 - i for i, r in enumerate(runs)}  # the first site on top
-    rows: dict[str, int] = {}  # a member's row, by the name round logs give it
-    for run in runs:
-        rows.setdefault(run.name, row_of[id(run)])
-    entries = [(run, e) for run in runs if run.sync_interval_s for e in run.rounds if "slot" in e]
-    if not entries:
+    members of each averaged group. One artist per (site, outcome) and one for all the group lines, so
+    a run of thousands of rounds draws in about the time of a short one."""
+    drawn = round_marks(runs)
+    if drawn is None:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 1.4 + 0.55 * len(runs)), layout="constrained")
-    groups: dict[tuple[float, str], set[str]] = {}  # (boundary, lineage after it): the group's members
-    for run, entry in entries:
-        if entry.get("action") != "solo":
-            key = (float(entry["slot"]) * run.sync_interval_s, str(entry.get("lineage", "")))
-            groups.setdefault(key, set()).update(set(entry.get("members") or []) | {run.name})
-    for (t, _), members in groups.items():
-        ys = [rows[m] for m in members if m in rows]
-        if len(ys) > 1:
-            x = to_dates([t])[0]
-            ax.plot([x, x], [min(ys), max(ys)], color="tab:green", alpha=0.5, linewidth=2, zorder=1)
+    size = _mark_size(drawn)
+    if drawn.groups:
+        ts, lows, highs = zip(*drawn.groups, strict=True)
+        width = max(0.5, 2.0 * size / 7.0)
+        ax.vlines(to_dates(ts), lows, highs, color="tab:green", alpha=0.5, linewidth=width, zorder=1)
     shown: set[str] = set()
-    for run, entry in entries:
-        action = entry.get("action", "?")
+    order = {a: n for n, a in enumerate(ACTIONS)}  # the legend in ACTIONS' order, then any other
+    for (row, action), times in sorted(drawn.marks.items(), key=lambda kv: (order.get(kv[0][1], 99), kv[0])):
         marker, colour, label = ACTIONS.get(action, ("*", "black", action))
         ax.plot(
-            to_dates([float(entry["slot"]) * run.sync_interval_s]),
-            [row_of[id(run)]],
+            to_dates(times),
+            [row] * len(times),
             linestyle="none",
             marker=marker,
             color=colour,
-            markersize=7,
-            zorder=2,
+            markersize=size,
+            zorder=MARK_ZORDER.get(action, 5),
             label=label if action not in shown else None,
         )
         shown.add(action)
     window = span(runs)
-    times = [float(e["slot"]) * r.sync_interval_s for r, e in entries]
+    times = [t for ts in drawn.marks.values() for t in ts]
     lo, hi = window if window is not None else (min(times), max(times))
     pad = max((hi - lo) * 0.01, 60.0)
     utc_time_axis(ax, min(lo, min(times)) - pad, max(hi, max(times)) + pad)
-    ax.set_yticks([row_of[id(r)] for r in runs], [r.label for r in runs])
+    ax.set_yticks(drawn.rows, [r.label for r in runs])
     ax.set_ylim(-0.6, len(runs) - 0.4)
     ax.set_xlabel("round boundary, clock time (UTC)")
     ax.grid(axis="x", alpha=0.3)
@@ -253,25 +317,61 @@ def baseline_g(run: SiteRun, grid: np.ndarray) -> np.ndarray | None:
     return np.array([run.equal_work_g(until=t) for t in grid])
 
 
-def emissions_figure(runs: list[SiteRun]) -> bytes | None:
-    """Cumulative emissions on clock time: each site against the same training run at once from its
-    start (left), and the swarm's total, its training part and the baselines' sum (right)."""
+@dataclass
+class EmissionCurves:
+    """What :func:`emissions_figure` draws, as plain data (tests read it instead of pixels): one entry
+    per run with history points, in ``runs`` order. Lists, not dicts keyed by site name: two runs of
+    one site are two curves, and both count in the swarm's sums."""
+
+    grid: np.ndarray  # clock seconds
+    drawn: list[tuple[int, SiteRun]]  # (index in ``runs``, run)
+    actual: list[np.ndarray]  # cumulative grams, idle included
+    idle: list[np.ndarray]  # the idle part of them
+    baselines: list[np.ndarray | None]  # the same training at once from the run's start (None: no trace)
+
+    @property
+    def total(self) -> np.ndarray:
+        return np.sum(self.actual, axis=0)
+
+    @property
+    def training(self) -> np.ndarray:
+        return self.total - np.sum(self.idle, axis=0)
+
+    @property
+    def known_baselines(self) -> list[np.ndarray]:
+        return [b for b in self.baselines if b is not None]
+
+
+def emission_curves(runs: list[SiteRun]) -> EmissionCurves | None:
+    """Each run's cumulative emissions and baseline on one clock grid; None without history points."""
     grid = _grid(runs)
     drawn = [(i, r) for i, r in enumerate(runs) if r.points]
     if grid is None or not drawn:
         return None
-    actual = {r.name: cumulative_g(r, grid) for _, r in drawn}
-    idle = {r.name: cumulative_g(r, grid, "idle_g") for _, r in drawn}
-    baselines = {r.name: baseline_g(r, grid) for _, r in drawn}
-    peak = max(float(c.max()) for c in [*actual.values(), *(b for b in baselines.values() if b is not None)])
+    return EmissionCurves(
+        grid,
+        drawn,
+        [cumulative_g(r, grid) for _, r in drawn],
+        [cumulative_g(r, grid, "idle_g") for _, r in drawn],
+        [baseline_g(r, grid) for _, r in drawn],
+    )
+
+
+def emissions_figure(runs: list[SiteRun]) -> bytes | None:
+    """Cumulative emissions on clock time: each site against the same training run at once from its
+    start (left), and the swarm's total, its training part and the baselines' sum (right)."""
+    curves = emission_curves(runs)
+    if curves is None:
+        return None
+    grid, known = curves.grid, curves.known_baselines
+    peak = max(float(c.max()) for c in [*curves.actual, *known])
     scale, unit = (1000.0, "kgCO2") if peak >= 1000.0 else (1.0, "gCO2")
     xs = to_dates(grid)
     plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
-    for i, run in drawn:
-        ys = actual[run.name] / scale
+    for (i, run), actual, base in zip(curves.drawn, curves.actual, curves.baselines, strict=True):
+        ys = actual / scale
         ax.plot(xs, ys, color=site_colour(i), linewidth=1.8, label=f"{run.label} ({ys[-1]:,.2f})")
-        base = baselines[run.name]
         if base is not None:
             ax.plot(
                 xs,
@@ -281,16 +381,15 @@ def emissions_figure(runs: list[SiteRun]) -> bytes | None:
                 linewidth=1.2,
                 label=f"{run.label} at once ({base[-1] / scale:,.2f})",
             )
-    total = sum(actual.values()) / scale
-    training = (sum(actual.values()) - sum(idle.values())) / scale
+    total = curves.total / scale
+    training = curves.training / scale
     bx.plot(xs, total, color="black", linewidth=1.8, label=f"swarm ({total[-1]:,.2f})")
     bx.plot(
         xs, training, color="tab:green", linewidth=1.4, label=f"swarm, training only ({training[-1]:,.2f})"
     )
-    known = [b for b in baselines.values() if b is not None]
     if known:
-        summed = sum(known) / scale
-        partial = "" if len(known) == len(drawn) else f", {len(known)} of {len(drawn)} sites"
+        summed = np.sum(known, axis=0) / scale
+        partial = "" if len(known) == len(curves.drawn) else f", {len(known)} of {len(curves.drawn)} sites"
         bx.plot(
             xs,
             summed,

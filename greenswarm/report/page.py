@@ -27,8 +27,10 @@ SECTIONS = (
     ("emissions", "Cumulative emissions against continuous training at equal work"),
     ("totals", "Totals"),
 )
-#: the most round rows the table shows (the newest); the figure shows them all
-MAX_ROUND_ROWS = 300
+#: the most round slots the rounds table shows (the newest): a production run of thousands of rounds
+#: would otherwise make a page of thousands of rows. The figure shows every round; rounds.jsonl has
+#: every line.
+MAX_ROUND_ROWS = 200
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto;
@@ -135,14 +137,16 @@ def _action(entry: dict[str, Any]) -> str:
 
 
 def _round_rows(runs: list[SiteRun]) -> tuple[list[list[str]], int]:
-    """One row per round slot (what each site did in it), newest last; and how many rows there were."""
+    """One row per round slot (what each site did in it) for the newest :data:`MAX_ROUND_ROWS` slots,
+    newest last; and how many slots there were in all (only the rows shown are built)."""
     by_slot: dict[int, list[tuple[SiteRun, dict[str, Any]]]] = {}
     for run in runs:
         for entry in run.rounds:
             if isinstance(entry.get("slot"), int):
                 by_slot.setdefault(entry["slot"], []).append((run, entry))
+    slots = sorted(by_slot)
     rows = []
-    for slot in sorted(by_slot):
+    for slot in slots[-MAX_ROUND_ROWS:]:
         done = by_slot[slot]
         sync = next((r.sync_interval_s for r, _ in done if r.sync_interval_s), None)
         when = utc_minute(slot * sync) if sync else "-"
@@ -165,7 +169,7 @@ def _round_rows(runs: list[SiteRun]) -> tuple[list[list[str]], int]:
                 escape("; ".join(notes)) or "-",
             ]
         )
-    return rows[-MAX_ROUND_ROWS:], len(rows)
+    return rows, len(slots)
 
 
 def rounds_section(runs: list[SiteRun], image: bytes | None) -> Section:
@@ -190,16 +194,21 @@ def rounds_section(runs: list[SiteRun], image: bytes | None) -> Section:
     parts.append(
         '<p class="note">'
         + escape(
-            f"{count} round slot(s); site-rounds averaged {counts['apply']}, alone {counts['solo']}, "
-            f"resynced {counts['resync']}, failed {counts['fail']}."
-            + (
-                f" The table shows the newest {len(rows)}; every round is in each site's rounds.jsonl."
-                if count > len(rows)
-                else ""
-            )
+            f"{count:,} round slot(s); site-rounds averaged {counts['apply']:,}, alone {counts['solo']:,}, "
+            f"resynced {counts['resync']:,}, failed {counts['fail']:,}."
         )
         + "</p>"
     )
+    if count > len(rows):
+        where = "the figure above shows every round, and " if image is not None else ""
+        parts.append(
+            '<p class="note" id="rounds-left-out">'
+            + escape(
+                f"The table shows the newest {len(rows):,} round slots; the {count - len(rows):,} earlier "
+                f"ones are left out here ({where}each site's rounds.jsonl has every one)."
+            )
+            + "</p>"
+        )
     headers = [
         "boundary (UTC)",
         "slot",

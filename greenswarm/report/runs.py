@@ -246,9 +246,27 @@ def read_runs(paths: list[str | Path]) -> list[SiteRun]:
     """Every site under ``paths`` (see :func:`run_dirs`), with its trace where it can be read; two
     sites of the same name (two runs of one site) are told apart by their directories."""
     runs = [read_run(p) for p in run_dirs(paths)]
-    names = [r.name for r in runs]
-    for run in runs:
-        if names.count(run.name) > 1:
-            run.label = f"{run.name} ({run.path.parent.name}/{run.path.name})"
+    label_apart(runs)
     load_traces(runs)
     return runs
+
+
+def label_apart(runs: list[SiteRun]) -> None:
+    """Label runs that share a site name with the shortest tail of their paths (two parts at least,
+    ``parent/dir``) that differs between them: ``exp1/runs/a`` and ``exp2/runs/a`` would both read
+    ``runs/a`` with a fixed two, and the legends and tables would show one site twice."""
+    by_name: dict[str, list[SiteRun]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    for name, same in by_name.items():
+        if len(same) < 2:
+            continue
+        parts = [run.path.parts for run in same]
+        tails = [run.path.as_posix() for run in same]  # (distinct: run_dirs resolved and deduplicated them)
+        for k in range(2, max(len(p) for p in parts)):
+            tried = [Path(*p[-k:]).as_posix() for p in parts]
+            if len(set(tried)) == len(tried):
+                tails = tried
+                break
+        for run, tail in zip(same, tails, strict=True):
+            run.label = f"{name} ({tail})"
