@@ -144,7 +144,7 @@ def serve(cfg: BootstrapConfig, as_json: bool = False) -> int:
     from greenswarm.procs import on_termination, reap_children
 
     # bound first: a port in use is one line at once, before the daemon and the relay check
-    endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "--metrics-port")
+    endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "--metrics-port", "--metrics-host")
     try:
         peer = BootstrapPeer(cfg)
     except BaseException:

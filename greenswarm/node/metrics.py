@@ -1,13 +1,22 @@
 """A Prometheus endpoint for a site (``node.metrics_port``), and the HTTP endpoint the bootstrap's shares.
 
 The site already counts everything an operator watches: its counters (:class:`~greenswarm.node.
-site_stats.SiteStats`, checkpointed), its energy ledger, its federation's wire formats, its round
-log, its last progress record. :class:`SiteCollector` keeps no numbers of its own: it reads those at
-scrape time, so a scrape can never disagree with the summary or the progress table, and the training
-loop pays nothing between scrapes. It reads them from the HTTP server's thread without a lock, which
-is safe for what it reads: numbers and references the loop replaces whole, and dicts it copies first
-(a C-level copy the loop cannot interleave with). It never calls into the schedule of a live signal
-or a deadline plan (their lookups move state); their window comes from the last progress record.
+site_stats.SiteStats`, checkpointed), its energy ledger, its federation's wire formats, its round log,
+its last progress record. :class:`SiteCollector` counts nothing itself: it reads those at scrape time,
+so a scrape can never disagree with the summary or the progress table, and the training loop pays
+nothing between scrapes. It reads them from the HTTP server's thread without the loop taking a lock
+(but for a restore, below), which is safe for what it reads: numbers and references the loop replaces
+whole, and dicts it copies first (a C-level copy the loop cannot interleave with). It never calls into
+the schedule of a live signal or a deadline plan (their lookups move state); their window comes from
+the last progress record.
+
+The one thing it remembers is where the checkpointed totals stood when this process started (once the
+node restored them from its checkpoint: it wraps the ``load_state_dict`` of the node's stats and
+ledger, since the node makes its collector before it resumes). A Prometheus counter counts from its
+process's start: after a crash, a restarted site's counters start again at 0 (a reset Prometheus
+understands), never at its last checkpoint's totals, older than the crash (a drop Prometheus would read
+as a reset, and then count the whole total again). The run's totals, checkpoint included, are gauges
+beside them (``greenswarm_run_*``).
 
 :class:`MetricsEndpoint` serves one private registry per process (never the library's global one: a
 test or a demo may run several in one process). It binds before the node joins the swarm, so a port
@@ -17,13 +26,15 @@ already in use is one line naming the field at once, not a traceback after the j
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import math
 import os
 import socket
-from collections.abc import Iterator
-from typing import Protocol
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from prometheus_client import ProcessCollector, start_http_server
 from prometheus_client.core import (
@@ -83,20 +94,21 @@ os.register_at_fork(after_in_child=_close_inherited)
 class MetricsEndpoint:
     """``/metrics`` over HTTP for one private registry (process metrics included), on its own thread.
 
-    ``port_field`` names the setting in errors (``node.metrics_port``, ``--metrics-port``): a port in
-    use, or a host this machine cannot bind, is a :class:`ConfigError` of one line. Bound to a host
-    other than loopback, it says once that anyone who can reach the port can read the site's metrics.
+    ``port_field`` and ``host_field`` name the settings in errors (``node.metrics_port`` and
+    ``node.metrics_host``, ``--metrics-port`` and ``--metrics-host``): a port in use is a
+    :class:`ConfigError` of one line naming the port's, a host this machine cannot bind (not one of its
+    addresses, a name that does not resolve) one naming the host's. Port 0 binds any free port
+    (:attr:`port` says which). Bound to a host other than loopback, it says once that anyone who can
+    reach the port can read the site's metrics.
     """
 
-    def __init__(self, host: str, port: int, port_field: str):
+    def __init__(self, host: str, port: int, port_field: str, host_field: str):
         self.registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.registry)  # CPU seconds, memory, open files of this process
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:  # EADDRINUSE, EADDRNOTAVAIL, an unknown host name (socket.gaierror)
-            in_use = err.errno == errno.EADDRINUSE
-            why = "is already in use" if in_use else f"cannot be bound ({err.strerror or err})"
-            raise ConfigError(f"{host}:{port} {why}; pick another port", field=port_field) from None
+            raise bind_error(err, host, port, port_field, host_field) from None
         self.host, self.port = host, int(self._server.server_address[1])
         _LISTENING.add(self._server.socket)
         if is_loopback(host):
@@ -119,9 +131,25 @@ class MetricsEndpoint:
         self._thread.join(timeout=5.0)
 
 
-def open_endpoint(host: str, port: int | None, port_field: str) -> MetricsEndpoint | None:
+#: errors binding an address that are the port's fault: in use, or privileged (below 1024, not root)
+PORT_ERRNOS = (errno.EADDRINUSE, errno.EACCES)
+
+
+def bind_error(err: OSError, host: str, port: int, port_field: str, host_field: str) -> ConfigError:
+    """The one-line error for an endpoint that could not bind ``host:port``, naming the setting at fault:
+    the port's when it is in use (or privileged), the host's otherwise (EADDRNOTAVAIL: not an address
+    of this machine; socket.gaierror: a name that does not resolve)."""
+    if err.errno == errno.EADDRINUSE:
+        return ConfigError(f"{host}:{port} is already in use; pick another port", field=port_field)
+    why = f"cannot be bound ({err.strerror or err})"
+    if err.errno in PORT_ERRNOS:
+        return ConfigError(f"{host}:{port} {why}; pick another port", field=port_field)
+    return ConfigError(f"{host}:{port} {why}; give an address of this machine", field=host_field)
+
+
+def open_endpoint(host: str, port: int | None, port_field: str, host_field: str) -> MetricsEndpoint | None:
     """The endpoint ``port`` asks for, or None when metrics are off (None or 0)."""
-    return MetricsEndpoint(host, port, port_field) if port else None
+    return MetricsEndpoint(host, port, port_field, host_field) if port else None
 
 
 def peers_by_path(connections: dict[str, list[str]]) -> dict[str, int]:
@@ -144,11 +172,63 @@ def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
         yield GaugeMetricFamily(name, doc, value=float(value))
 
 
-def _by_state(name: str, doc: str, values: dict[str, float]) -> CounterMetricFamily:
-    counter = CounterMetricFamily(name, doc, labels=["state"])
-    for state in SiteState:
-        counter.add_metric([state.value], float(values.get(state.value, 0.0)))
-    return counter
+#: a site's checkpointed totals, flat: ``tokens``, ``local_steps``, each of ``SiteStats.counts``, and
+#: the energy ledger's ``kwh/<state>``, ``grams/<state>``, ``seconds/<state>``
+Totals = dict[str, float]
+
+#: the energy ledger's totals by state: its attribute -> (the metrics' name, what it is)
+LEDGER_TOTALS = {
+    "kwh": ("energy_kwh", "Energy this site drew by state, kWh"),
+    "grams": ("emissions_grams", "Emissions of that energy by state, gCO2"),
+    "seconds": ("state_seconds", "Clock seconds spent in each state (trace time in a replay)"),
+}
+
+
+def stats_totals(stats: Any) -> Totals:
+    """The checkpointed counters of a :class:`~greenswarm.node.site_stats.SiteStats`."""
+    counts = {key: float(n) for key, n in dict(stats.counts).items()}
+    return {"tokens": float(stats.tokens), "local_steps": float(stats.local_steps), **counts}
+
+
+def ledger_totals(ledger: Any) -> Totals:
+    """The checkpointed totals of an :class:`~greenswarm.scheduler.energy.EnergyLedger`, by state."""
+    return {
+        f"{part}/{state}": float(v)
+        for part in LEDGER_TOTALS
+        for state, v in dict(getattr(ledger, part)).items()
+    }
+
+
+def _after_restore(part: Any, lock: threading.Lock, then: Callable[[], None]) -> None:
+    """Have ``part.load_state_dict`` (the node restoring it from a checkpoint) call ``then`` when done,
+    both under ``lock``: a scrape sees the counters and where they started from the same side of it."""
+    load = part.load_state_dict
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        with lock:
+            load(state)
+            then()
+
+    part.load_state_dict = load_state_dict
+
+
+def _counted(
+    run: Totals, at_start: Totals, name: str, doc: str, label: str | None, keys: dict[str, str]
+) -> Iterator[Metric]:
+    """``greenswarm_<name>``, a counter of what this process added to a checkpointed total (the total
+    now less the total at its start), and ``greenswarm_run_<name>``, a gauge of the run's total.
+    ``keys``: the label's value -> the total's key in ``run`` (one, under "", without a label)."""
+    labels = [label] if label else []
+    counter = CounterMetricFamily(f"greenswarm_{name}", f"{doc}; since this process started", labels=labels)
+    gauge = GaugeMetricFamily(
+        f"greenswarm_run_{name}", f"{doc}; over the run, restarts included (checkpointed)", labels=labels
+    )
+    for value, key in keys.items():
+        total = run.get(key, 0.0)
+        counter.add_metric([value] if label else [], max(0.0, total - at_start.get(key, 0.0)))
+        gauge.add_metric([value] if label else [], total)
+    yield counter
+    yield gauge
 
 
 class MeteredSite(RunningSite, Protocol):
@@ -161,10 +241,28 @@ class SiteCollector(Collector):
     """Describes a running :class:`~greenswarm.node.site.SiteNode` at scrape time (rank 0).
 
     Parts the node has not made yet (before it joined the swarm) are left out of the scrape.
+
+    The site's checkpointed counters (its :class:`~greenswarm.node.site_stats.SiteStats` and energy
+    ledger) are exported twice: as counters of what this process added (the totals now less the totals
+    at its start) and as ``greenswarm_run_*`` gauges of the run's totals. The start is when the
+    collector is made, and again when the node restores those parts from a checkpoint (it makes its
+    collector first: a port in use must fail before the join), so a restarted site's counters start
+    at 0, never at its last checkpoint's totals.
     """
 
     def __init__(self, node: MeteredSite):
         self.node = node
+        self._lock = threading.Lock()  # taken by scrapes, and by the node only while it restores
+        self._stats_at_start = stats_totals(node.stats)
+        self._ledger_at_start = ledger_totals(node.ledger)
+        _after_restore(node.stats, self._lock, self._stats_started)
+        _after_restore(node.ledger, self._lock, self._ledger_started)
+
+    def _stats_started(self) -> None:
+        self._stats_at_start = stats_totals(self.node.stats)
+
+    def _ledger_started(self) -> None:
+        self._ledger_at_start = ledger_totals(self.node.ledger)
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -182,11 +280,14 @@ class SiteCollector(Collector):
             state.add_metric([s.value], 1 if s is current else 0)
         yield state
 
+        with self._lock:  # (after a restore in progress: the totals and their start on the same side)
+            run = {**stats_totals(stats), **ledger_totals(node.ledger)}
+            at_start = {**self._stats_at_start, **self._ledger_at_start}
+        counted = functools.partial(_counted, run, at_start)
+
         # training
-        yield CounterMetricFamily("greenswarm_tokens", "Tokens this site trained on", value=stats.tokens)
-        yield CounterMetricFamily(
-            "greenswarm_local_steps", "Inner optimizer steps this site took", value=stats.local_steps
-        )
+        yield from counted("tokens", "Tokens this site trained on", None, {"": "tokens"})
+        yield from counted("local_steps", "Inner optimizer steps this site took", None, {"": "local_steps"})
         yield from _gauge("greenswarm_loss", "Training loss (moving average of the inner steps')", stats.loss)
         yield from _gauge("greenswarm_eval_loss", "The global model's last held-out loss", stats.eval_loss)
         global_state = getattr(node, "global_state", None)  # (made when the node starts)
@@ -198,20 +299,16 @@ class SiteCollector(Collector):
             )
 
         # rounds
-        counts = dict(stats.counts)
-        rounds = CounterMetricFamily(
-            "greenswarm_rounds", "Rounds this site ended, by outcome (checkpointed)", labels=["outcome"]
+        outcomes = {outcome: key for key, outcome in ROUND_OUTCOMES.items()}
+        yield from counted("rounds", "Rounds this site ended, by outcome", "outcome", outcomes)
+        yield from counted(
+            "catch_ups", "More advanced global states this site adopted", None, {"": "catch_ups"}
         )
-        for key, outcome in ROUND_OUTCOMES.items():
-            rounds.add_metric([outcome], counts.get(key, 0))
-        yield rounds
-        yield CounterMetricFamily(
-            "greenswarm_catch_ups", "More advanced global states this site adopted", value=counts["catch_ups"]
-        )
-        yield CounterMetricFamily(
-            "greenswarm_refused_updates",
+        yield from counted(
+            "refused_updates",
             "Groupmates' updates refused before averaging (NaN/Inf, norm far outside the group's)",
-            value=counts["refused_updates"],
+            None,
+            {"": "refused_updates"},
         )
         totals = node.round_log.totals
         yield SummaryMetricFamily(
@@ -245,16 +342,9 @@ class SiteCollector(Collector):
             yield wire_rounds
 
         # energy and the grid
+        for part, (name, doc) in LEDGER_TOTALS.items():
+            yield from counted(name, doc, "state", {s.value: f"{part}/{s.value}" for s in SiteState})
         ledger = node.ledger
-        yield _by_state("greenswarm_energy_kwh", "Energy this site drew, by state (kWh)", dict(ledger.kwh))
-        yield _by_state(
-            "greenswarm_emissions_grams", "Emissions of that energy, by state (gCO2)", dict(ledger.grams)
-        )
-        yield _by_state(
-            "greenswarm_state_seconds",
-            "Clock seconds spent in each state (trace time in a replay)",
-            dict(ledger.seconds),
-        )
         now = node.clock.now()
         yield GaugeMetricFamily(
             "greenswarm_clock_timestamp_seconds", "The site's clock (trace time in a replay)", value=now
@@ -312,7 +402,7 @@ class SiteCollector(Collector):
 def serve_site_metrics(node: MeteredSite) -> MetricsEndpoint | None:
     """The site's endpoint (``node.metrics_port``; None when off), describing ``node`` from now on."""
     cfg = node.cfg.node
-    endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "node.metrics_port")
+    endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "node.metrics_port", "node.metrics_host")
     if endpoint is not None:
         endpoint.register(SiteCollector(node))
     return endpoint
