@@ -11,8 +11,8 @@ the schedule of a live signal or a deadline plan (their lookups move state); the
 the last progress record.
 
 The one thing it remembers is where the checkpointed totals stood when this process started (once the
-node restored them from its checkpoint: it wraps the ``load_state_dict`` of the node's stats and
-ledger, since the node makes its collector before it resumes). A Prometheus counter counts from its
+node restored them from its checkpoint, which it does inside :meth:`SiteCollector.restoring`, since it
+makes its collector before it resumes). A Prometheus counter counts from its
 process's start: after a crash, a restarted site's counters start again at 0 (a reset Prometheus
 understands), never at its last checkpoint's totals, older than the crash (a drop Prometheus would read
 as a reset, and then count the whole total again). The run's totals, checkpoint included, are gauges
@@ -25,6 +25,7 @@ already in use is one line naming the field at once, not a traceback after the j
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -33,7 +34,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from prometheus_client import ProcessCollector, start_http_server
@@ -199,19 +200,6 @@ def ledger_totals(ledger: Any) -> Totals:
     }
 
 
-def _after_restore(part: Any, lock: threading.Lock, then: Callable[[], None]) -> None:
-    """Have ``part.load_state_dict`` (the node restoring it from a checkpoint) call ``then`` when done,
-    both under ``lock``: a scrape sees the counters and where they started from the same side of it."""
-    load = part.load_state_dict
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        with lock:
-            load(state)
-            then()
-
-    part.load_state_dict = load_state_dict
-
-
 def _counted(
     run: Totals, at_start: Totals, name: str, doc: str, label: str | None, keys: dict[str, str]
 ) -> Iterator[Metric]:
@@ -245,24 +233,27 @@ class SiteCollector(Collector):
     The site's checkpointed counters (its :class:`~greenswarm.node.site_stats.SiteStats` and energy
     ledger) are exported twice: as counters of what this process added (the totals now less the totals
     at its start) and as ``greenswarm_run_*`` gauges of the run's totals. The start is when the
-    collector is made, and again when the node restores those parts from a checkpoint (it makes its
-    collector first: a port in use must fail before the join), so a restarted site's counters start
-    at 0, never at its last checkpoint's totals.
+    collector is made, and again when the node has restored those parts from a checkpoint inside
+    :meth:`restoring` (it makes its collector first: a port in use must fail before the join), so a
+    restarted site's counters start at 0, never at its last checkpoint's totals.
     """
 
     def __init__(self, node: MeteredSite):
         self.node = node
         self._lock = threading.Lock()  # taken by scrapes, and by the node only while it restores
-        self._stats_at_start = stats_totals(node.stats)
-        self._ledger_at_start = ledger_totals(node.ledger)
-        _after_restore(node.stats, self._lock, self._stats_started)
-        _after_restore(node.ledger, self._lock, self._ledger_started)
+        self._count_from_now()
 
-    def _stats_started(self) -> None:
+    def _count_from_now(self) -> None:
         self._stats_at_start = stats_totals(self.node.stats)
-
-    def _ledger_started(self) -> None:
         self._ledger_at_start = ledger_totals(self.node.ledger)
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Around the node's restore from a checkpoint: scrapes wait for it, and the counters count
+        from the restored totals, so no scrape sees the totals and their start on different sides."""
+        with self._lock:
+            yield
+            self._count_from_now()
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -399,10 +390,26 @@ class SiteCollector(Collector):
         )
 
 
-def serve_site_metrics(node: MeteredSite) -> MetricsEndpoint | None:
+class SiteMetrics:
+    """A site's endpoint and its collector: what the node holds while it runs."""
+
+    def __init__(self, endpoint: MetricsEndpoint, collector: SiteCollector):
+        self.endpoint, self.collector = endpoint, collector
+
+    def restoring(self) -> contextlib.AbstractContextManager[None]:
+        """See :meth:`SiteCollector.restoring`."""
+        return self.collector.restoring()
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+def serve_site_metrics(node: MeteredSite) -> SiteMetrics | None:
     """The site's endpoint (``node.metrics_port``; None when off), describing ``node`` from now on."""
     cfg = node.cfg.node
     endpoint = open_endpoint(cfg.metrics_host, cfg.metrics_port, "node.metrics_port", "node.metrics_host")
-    if endpoint is not None:
-        endpoint.register(SiteCollector(node))
-    return endpoint
+    if endpoint is None:
+        return None
+    collector = SiteCollector(node)
+    endpoint.register(collector)
+    return SiteMetrics(endpoint, collector)

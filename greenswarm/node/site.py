@@ -16,6 +16,7 @@ with its own timing, wired together here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -34,7 +35,7 @@ from greenswarm.node.federation import Federation
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.history import History
 from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
-from greenswarm.node.metrics import MetricsEndpoint, serve_site_metrics
+from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
@@ -97,7 +98,7 @@ class SiteNode:
         self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
-        self.metrics: MetricsEndpoint | None = None  # node.metrics_port: Prometheus, from the start of run
+        self.metrics: SiteMetrics | None = None  # node.metrics_port: Prometheus, from the start of run
         self.history = History(cfg.node.run_dir, cfg.node.log_every_s)  # what a run report reads
         if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
             self.schedule.bind(self._work_done, peers=self._plan_peers)
@@ -288,7 +289,9 @@ class SiteNode:
             cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log,
             background=averaging.overlap,  # rounds beside training: checkpoints written beside it too
         )  # fmt: skip
-        resumed = self.checkpoints.resume()
+        # (the metrics count from the restored totals: a restarted site's counters start at 0)
+        with self.metrics.restoring() if self.metrics is not None else contextlib.nullcontext():
+            resumed = self.checkpoints.resume()
         if resumed and (gap := self.ledger.skip_to(self.clock.now())) > 0:
             self.log.info(
                 "energy: not booking the %.1f h between the checkpoint and this start (the site's draw "
