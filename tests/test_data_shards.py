@@ -7,21 +7,36 @@ switched off (``HF_HUB_OFFLINE``) and its HTTP session replaced by one that reco
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
+import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from greenswarm.errors import ConfigError
-from greenswarm.node.data import DataConfig, Sharding, TokenBatches, iter_documents, open_source, sub_shard
-from greenswarm.node.evaluation import EvalConfig
+from greenswarm.node.config import TrainConfig
+from greenswarm.node.data import (
+    DataConfig,
+    Sharding,
+    TokenBatches,
+    iter_documents,
+    open_source,
+    run_keys,
+    sub_shard,
+)
+from greenswarm.node.distributed import World
+from greenswarm.node.evaluation import EvalConfig, HeldOut
+from greenswarm.node.model import ModelConfig
 from greenswarm.node.tokenizer import ByteTokenizer
+from greenswarm.node.trainer import InnerTrainer
 
 TOK = ByteTokenizer()
 FILES = 8
@@ -232,41 +247,133 @@ def test_resume_is_exact_under_file_sharding(parquet_dir: Path, count: int) -> N
     assert b.state_dict()["data"]["files"] == FILES
 
 
-def _old_state(b: TokenBatches) -> dict:
-    state = b.state_dict()
-    state["data"] = {k: v for k, v in state["data"].items() if k != "files"}
-    return state
+# ------------------------------------------------------------- runs from before keys by file
 
 
-def test_position_saved_before_file_keys(parquet_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A position without ``files`` resumes exactly where the documents are the same under both keys
-    (one shard; one file), and otherwise starts the saved epoch over with a warning."""
-    one_shard = DataConfig(source=str(parquet_dir), seq_len=16)
-    b = TokenBatches(one_shard, TOK, 2)
-    ref = _take(b, 12)
-    a = TokenBatches(one_shard, TOK, 2)
-    _take(a, 5)
-    r = TokenBatches(one_shard, TOK, 2)
-    r.load_state_dict(_old_state(a))
-    assert all(torch.equal(x, y) for x, y in zip(ref[5:8], _take(r, 3), strict=True))
+def _index_shard(index: int, count: int) -> list[str]:
+    """Shard ``index`` of ``count`` as greenswarm assigned it before keys by file (independently of
+    the code under test): document ``i`` of the whole corpus -- files in order, rows in order -- when
+    ``i % count == index``."""
+    corpus = [f"file {f} row {r}" for f in range(FILES) for r in range(_rows(f))]
+    return [text for i, text in enumerate(corpus) if i % count == index]
 
-    sharded = DataConfig(source=str(parquet_dir), shard_index=1, num_shards=4, seq_len=16)
-    a = TokenBatches(sharded, TOK, 2)
-    _take(a, 5)
-    r = TokenBatches(sharded, TOK, 2)
-    with caplog.at_level(logging.WARNING, logger="greenswarm.node.data"):
-        r.load_state_dict(_old_state(a))
-    assert "starts over" in caplog.text
-    state, saved = r.state_dict(), a.state_dict()
-    assert (state["epoch"], state["document"], state["offset"], state["batches"]) == (saved["epoch"], 0, 0, 5)
-    first = next(iter(open_source(sharded).documents(saved["epoch"])))[1]
-    assert TOK.decode(_take(r, 1)[0].flatten().tolist()).startswith(first)
+
+def _epochs(docs: list[str], seed: int = 0) -> Iterator[tuple[int, int, list[int]]]:
+    """``(epoch, position, tokens + [EOS])`` in each epoch's order: a shard smaller than the shuffle
+    buffer is shuffled completely with ``Random(seed + epoch)``."""
+    for epoch in itertools.count():
+        order = list(docs)
+        random.Random(seed + epoch).shuffle(order)
+        for pos, text in enumerate(order):
+            yield epoch, pos, [*TOK.encode(text), TOK.eos_id]
+
+
+def _index_batches(docs: list[str], n: int, batch: int, seq_len: int) -> list[torch.Tensor]:
+    """The first ``n`` batches of a reader of ``docs`` (one stream cut into windows)."""
+    need = n * batch * (seq_len + 1)
+    stream: list[int] = []
+    for _, _, tokens in _epochs(docs):
+        stream += tokens
+        if len(stream) >= need:
+            break
+    return list(torch.tensor(stream[:need]).view(n, batch, seq_len + 1))
+
+
+def _old_position(cfg: DataConfig, docs: list[str], batches: int, batch: int) -> dict:
+    """The data position a checkpoint written before keys by file holds after ``batches`` batches:
+    no ``files``, no ``keys``."""
+    consumed, done = batches * batch * (cfg.seq_len + 1), 0
+    for epoch, pos, tokens in _epochs(docs):
+        if consumed < done + len(tokens):
+            fingerprint = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seq_len"}
+            fingerprint["tokenizer"] = repr(TOK)
+            where = {"epoch": epoch, "document": pos, "offset": consumed - done}
+            return {"batches": batches, **where, "data": fingerprint}
+        done += len(tokens)
+    raise AssertionError("unreachable")
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("index, count", [(1, 4), (2, 3)])
+def test_position_saved_before_file_keys_resumes_exactly_by_index(
+    parquet_dir: Path, caplog: pytest.LogCaptureFixture, index: int, count: int
+) -> None:
+    """A checkpoint's position from before keys by file resumes at the very next token of the shard
+    the run had (not an epoch over, not other documents), and the run's later positions stay by index."""
+    cfg = DataConfig(source=str(parquet_dir), shard_index=index, num_shards=count, seq_len=16)
+    docs = _index_shard(index, count)
+    assert {t for _, t in _docs(cfg)} != set(docs)  # keys by file give this shard other documents
+    ref = _index_batches(docs, 44, 2, 16)
+    for k in (0, 7, 23, 34):  # across epoch boundaries (about 10 batches an epoch)
+        r = TokenBatches(cfg, TOK, 2)
+        with caplog.at_level(logging.INFO, logger="greenswarm.node.data"):
+            r.load_state_dict(_old_position(cfg, docs, k, 2))
+        assert _same(_take(r, 6), ref[k : k + 6])
+        assert r.sharding.keys == "index" and r.sharding.files_read() == list(range(FILES))
+        later = r.state_dict()  # the run's next checkpoint: by index, and says so
+        assert (later["data"]["keys"], later["data"]["files"], later["batches"]) == ("index", FILES, k + 6)
+        again = TokenBatches(cfg, TOK, 2)
+        again.load_state_dict(later)
+        assert _same(_take(again, 4), ref[k + 6 : k + 10])
+    assert "predates keys by file" in caplog.text and "starts over" not in caplog.text
+    assert "keys by corpus index" in caplog.text
+
+
+def test_held_out_keeps_its_documents_after_the_upgrade(parquet_dir: Path) -> None:
+    """Wired as a site wires them (the trainer's stream a sub-shard of ``cfg.data``, the held-out set
+    built from ``cfg.data`` and read on first use): resuming an old position keys the held-out shard
+    by index too, so it holds the documents it held before -- none the site trained on. Keyed by file
+    instead, it would hold documents the site already trained on."""
+    site = DataConfig(source=str(parquet_dir), shard_index=0, num_shards=4, seq_len=16)  # 3 held out
+    trainer = InnerTrainer(
+        ModelConfig(), site, TrainConfig(batch_size=2, micro_batch_size=2, threads=1), World()
+    )
+    held = HeldOut(EvalConfig(batches=3, batch_size=2), site, trainer.tokenizer)
+    state = trainer.state_dict()
+    state["data"] = [_old_position(site, _index_shard(0, 4), 5, 2)]
+    trainer.load_state_dict(state)
+    assert run_keys(site) == "index" and trainer.batches.sharding.keys == "index"
+    assert _same(held.batches(), _index_batches(_index_shard(3, 4), 3, 2, 16))
+    assert held.data.shard_index == 3 and run_keys(held.data) == "index"
+    trained = set(_index_shard(0, 4))
+    assert not trained & set(_index_shard(3, 4))
+    by_file = {t for _, t in _docs(dataclasses.replace(held.data))}  # ``replace``: a new run's config
+    assert trained & by_file  # what the held-out set would have held, keyed by file
+
+
+def test_a_new_run_keys_by_file(parquet_dir: Path) -> None:
+    """No position, or one saved since keys by file (with ``files``, whether or not it names its
+    keys): keys by file, whole files, for the training stream and the held-out shard alike."""
+    site = DataConfig(source=str(parquet_dir), shard_index=0, num_shards=4, seq_len=16)
+    stream = TokenBatches(sub_shard(site, 0, 1), TOK, 2)
+    held = HeldOut(EvalConfig(batches=2, batch_size=2), site, TOK)
+    assert run_keys(site) == "file" and stream.sharding.keys == "file"
+    assert stream.sharding.files_read() == [0, 4]
+    position = stream.state_dict()
+    assert (position["data"]["keys"], position["data"]["files"]) == ("file", FILES)
+    assert {_file_of(t) for _, t in _docs(held.data)} == {3, 7}
+    ref = _take(TokenBatches(site, TOK, 2), 14)
+    _take(stream, 5)
+    for saved in (stream.state_dict(), _without(stream.state_dict(), "keys")):  # now; as of 2f9c791
+        r = TokenBatches(site, TOK, 2)
+        r.load_state_dict(saved)
+        assert r.sharding.keys == "file" and _same(_take(r, 9), ref[5:])
+    assert run_keys(site) == "file"
+    assert _same(held.batches(), _take(TokenBatches(held.data, TOK, 2), 2))
+
+
+def _without(state: dict, key: str) -> dict:
+    return {**state, "data": {k: v for k, v in state["data"].items() if k != key}}
 
 
 def test_position_refused_for_other_settings_but_not_for_more_files(
     parquet_dir: Path, tmp_path: Path
 ) -> None:
-    """Another seed is the operator's change: refused. A grown corpus moves every key: the epoch restarts."""
+    """Another seed is the operator's change, unknown keys a later version's: refused. A grown corpus
+    moves every key: the epoch restarts."""
     import shutil
 
     copy = tmp_path / "grows"
@@ -278,6 +385,10 @@ def test_position_refused_for_other_settings_but_not_for_more_files(
         TokenBatches(
             DataConfig(source=str(copy), shard_index=0, num_shards=2, seed=5), TOK, 2
         ).load_state_dict(a.state_dict())
+    unknown = a.state_dict()
+    unknown["data"]["keys"] = "hash"  # a later version's keys
+    with pytest.raises(ConfigError, match="keys 'hash'"):
+        TokenBatches(cfg, TOK, 2).load_state_dict(unknown)
     shutil.copy(copy / "part-00.parquet", copy / "part-08.parquet")  # the corpus grew: keys moved
     grown = TokenBatches(cfg, TOK, 2)
     grown.load_state_dict(a.state_dict())

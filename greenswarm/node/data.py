@@ -20,7 +20,14 @@ disjoint: a site's ranks (``num_shards * world``), sites with different world si
 shard of evaluation (``node/evaluation.py``), which may use another ``num_shards`` and is checked
 against the training shard with the same modular arithmetic as before. (``split_dataset_by_node``
 numbers examples globally in its fallback, so two readers with different world sizes, one splitting
-by files and one by examples, would overlap.) Sources:
+by files and one by examples, would overlap.)
+
+Keys by file came in after greenswarm had keyed a document by its place in the whole corpus (its
+*index*: all rows of every earlier file, then its row). A data position records its keys
+(:data:`KEYS_BY_FILE` or :data:`KEYS_BY_INDEX`); a run resumed from a position saved before that
+(without them) keeps keys by index, the shards it had, and so does every reader of the run opened
+afterwards -- its held-out shard above all (:meth:`DataConfig.with_shard`). New runs key by file.
+Sources:
 
 * ``"stdlib"`` -- the installed Python standard library's ``.py`` files, one document each: always
   present and offline, so demos and tests need no download (sites must run the same Python version);
@@ -63,6 +70,12 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"
 # need the whole shard in memory); smaller shards are shuffled completely.
 SHUFFLE_BUFFER = 10_000
 
+# Document keys, as a data position records them. By file: ``file + files * row``. By index: the
+# document's place in the whole corpus, the only keys before keys by file -- kept for the runs that
+# resume a position saved then, so that they read the documents they read before.
+KEYS_BY_FILE = "file"
+KEYS_BY_INDEX = "index"
+
 
 @dataclass
 class DataConfig:
@@ -99,6 +112,38 @@ class DataConfig:
         if self.source.startswith("hf:") and not self.source[3:].split(":")[0].strip():
             raise ConfigError("'hf:' must be followed by a dataset name: 'hf:NAME[:CONFIG]'", field="source")
 
+    def with_shard(self, shard_index: int, num_shards: int) -> DataConfig:
+        """This config for shard ``shard_index`` of ``num_shards`` of the same *run*.
+
+        The readers of a run -- a site's ranks (:func:`sub_shard`) and its held-out shard
+        (``EvalConfig.held_out``) -- share the run's document keys: once the training stream resumes a
+        position saved before keys by file, every reader opened afterwards from a config of the run
+        keys by index too (:func:`run_keys`). ``dataclasses.replace`` makes the config of a new run.
+        """
+        other = replace(self, shard_index=shard_index, num_shards=num_shards)
+        other._run = self._shared_run()
+        return other
+
+    def _shared_run(self) -> _Run:
+        # An attribute, not a field: no part of the config the operator writes, compares or dumps.
+        run = self.__dict__.get("_run")
+        if run is None:
+            run = self._run = _Run()
+        return run
+
+
+@dataclass
+class _Run:
+    """What the readers of one run share beyond their settings: its document keys, once decided."""
+
+    keys: str | None = None  # None: no position has said; a new run keys by file
+
+
+def run_keys(cfg: DataConfig) -> str:
+    """The document keys readers opened from ``cfg`` use: those of the last position a reader of its run
+    resumed (:meth:`TokenBatches.load_state_dict`), else :data:`KEYS_BY_FILE`."""
+    return cfg._shared_run().keys or KEYS_BY_FILE
+
 
 def sub_shard(cfg: DataConfig, rank: int, world: int) -> DataConfig:
     """The shard of process ``rank`` of ``world`` (torchrun) within its site's shard ``cfg``.
@@ -111,8 +156,7 @@ def sub_shard(cfg: DataConfig, rank: int, world: int) -> DataConfig:
     """
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
-    index = cfg.shard_index + cfg.num_shards * rank
-    return replace(cfg, shard_index=index, num_shards=cfg.num_shards * world)
+    return cfg.with_shard(cfg.shard_index + cfg.num_shards * rank, cfg.num_shards * world)
 
 
 @dataclass(frozen=True)
@@ -122,40 +166,56 @@ class Sharding:
     Row ``row`` of file ``file`` has the key ``file + files * row`` and belongs to shard ``key %
     count`` (see the module docstring for why one key serves every layout). With ``single_documents``
     every file is one document (the standard library's sources), so the key is the file's index and
-    a reader opens exactly its own files whatever ``count`` is.
+    a reader opens exactly its own files whatever ``count`` is. With ``keys`` :data:`KEYS_BY_INDEX` (a
+    run resumed from before keys by file) the key is the document's place in the whole corpus, which
+    only counting every earlier row tells: the reader opens every file.
     """
 
     files: int  # files in the corpus (a Hub dataset's shards)
     index: int
     count: int
     single_documents: bool = False
+    keys: str = KEYS_BY_FILE
+
+    @property
+    def by_index(self) -> bool:
+        """Whether keys are places in the whole corpus (for single documents, both keys are the file)."""
+        return self.keys == KEYS_BY_INDEX and not self.single_documents
 
     @property
     def split(self) -> str:
         """``"files"`` when the reader owns whole files, ``"documents"`` when it keeps some of each."""
-        return "files" if self.single_documents or self.files % self.count == 0 else "documents"
+        whole = self.count == 1 if self.by_index else self.files % self.count == 0
+        return "files" if self.single_documents or whole else "documents"
 
     @property
     def keep_every(self) -> int:
         """The reader keeps one document in this many of each file it opens (1: whole files)."""
-        return 1 if self.single_documents else self.count // gcd(self.count, self.files)
+        if self.single_documents:
+            return 1
+        return self.count if self.by_index else self.count // gcd(self.count, self.files)
 
     def key(self, file: int, row: int) -> int:
-        """The document key of row ``row`` of file ``file``."""
+        """The document key of row ``row`` of file ``file`` (keys by file only)."""
+        if self.by_index:
+            raise ValueError("a key by index counts the rows of every earlier file; see _DatasetSource")
         return file + self.files * row
 
     def owns(self, file: int, row: int) -> bool:
-        """Whether row ``row`` of file ``file`` is this reader's."""
+        """Whether row ``row`` of file ``file`` is this reader's (keys by file only)."""
         return self.key(file, row) % self.count == self.index
 
     def files_read(self) -> list[int]:
         """The files holding a document of this reader, in corpus order; no other file is opened.
 
         ``key % g == file % g`` for ``g = gcd(count, files)`` (``g`` divides ``files``), so only files
-        with ``file % g == index % g`` can hold a key ``== index`` modulo ``count``.
+        with ``file % g == index % g`` can hold a key ``== index`` modulo ``count``. Keys by index
+        can be anywhere: every file.
         """
         if self.single_documents:
             return [f for f in range(self.files) if f % self.count == self.index]
+        if self.by_index:
+            return list(range(self.files))
         g = gcd(self.count, self.files)
         return [f for f in range(self.files) if f % g == self.index % g]
 
@@ -165,17 +225,22 @@ class Sharding:
         shown = ", ".join(map(str, read[:8])) + (", ..." if len(read) > 8 else "")
         files = f"{len(read)} file{'' if len(read) == 1 else 's'}"
         head = f"data {source!r}: shard {self.index} of {self.count} of {self.files} files"
+        if self.by_index:
+            head += ", keys by corpus index (a run resumed from a data position saved before keys by file)"
         if self.split == "files":
             return f"{head}, split by files: reads {files} whole ({shown})"
         opened = "every file" if len(read) == self.files else f"{files} ({shown})"
+        if self.by_index:
+            return f"{head}, split by documents: reads {opened} and keeps 1 document in {self.count}"
         return (
             f"{head}, split by documents ({self.count} does not divide {self.files}): reads {opened} "
             f"and keeps 1 document in {self.keep_every} of each"
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """For summaries: the split, the corpus's files and how many of them this reader opens."""
+        """For summaries: the keys, the split, the corpus's files and how many of them this reader opens."""
         return {
+            "keys": self.keys,
             "split": self.split,
             "files": self.files,
             "files_read": len(self.files_read()),
@@ -189,7 +254,7 @@ class Sharding:
 
 
 class _Source(Protocol):
-    sharding: Sharding
+    sharding: Sharding  # a reader resuming a position may replace it with other ``keys``
 
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
         """``(document key, text)`` of this shard's documents in epoch ``epoch``'s order, from ``start``."""
@@ -199,15 +264,16 @@ class _Source(Protocol):
 class _StdlibSource:
     """The standard library's ``.py`` files, sorted by relative path; read only when reached."""
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, keys: str = KEYS_BY_FILE):
         self.cfg = cfg
         self.root = sysconfig.get_paths()["stdlib"]
         self.files = stdlib_files(self.root)
-        self.sharding = Sharding(len(self.files), cfg.shard_index, cfg.num_shards, single_documents=True)
-        self.shard = self.sharding.files_read()
+        self.sharding = Sharding(
+            len(self.files), cfg.shard_index, cfg.num_shards, single_documents=True, keys=keys
+        )
 
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
-        order = list(self.shard)
+        order = self.sharding.files_read()  # the same files under either keys
         random.Random(self.cfg.seed + epoch).shuffle(order)
         for index in order[start:]:
             path = os.path.join(self.root, self.files[index])
@@ -227,7 +293,7 @@ class _DatasetSource:
     number -- its key -- and never opens another reader's files.
     """
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, keys: str = KEYS_BY_FILE):
         self.cfg = cfg
         # (description, IterableDataset, column) in corpus order; their shards are the corpus's files.
         self.parts: list[tuple[str, Any, str]] = []
@@ -239,7 +305,7 @@ class _DatasetSource:
         self.files: list[tuple[int, int]] = [
             (p, j) for p, (_, ds, _) in enumerate(self.parts) for j in range(ds.num_shards)
         ]
-        self.sharding = Sharding(len(self.files), cfg.shard_index, cfg.num_shards)
+        self.sharding = Sharding(len(self.files), cfg.shard_index, cfg.num_shards, keys=keys)
 
     def _open_hub(self) -> None:
         spec = self.cfg.source[3:]
@@ -279,6 +345,9 @@ class _DatasetSource:
     def _shard_stream(self) -> Iterator[tuple[int, str]]:
         """This shard's documents in corpus order: of the files it reads, the rows whose key it owns."""
         sharding = self.sharding
+        if sharding.by_index:
+            yield from self._index_stream()
+            return
         for file in sharding.files_read():
             part, index = self.files[file]
             where, ds, column = self.parts[part]
@@ -287,6 +356,17 @@ class _DatasetSource:
             for row_number, row in enumerate(stream):
                 if sharding.owns(file, row_number):
                     yield sharding.key(file, row_number), _row_text(row, column, where)
+
+    def _index_stream(self) -> Iterator[tuple[int, str]]:
+        """Keys by index, exactly as before keys by file: every file streamed, document ``i`` of the
+        whole corpus kept when ``i % count == index``."""
+        n, k = self.sharding.count, self.sharding.index
+        i = 0
+        for where, ds, column in self.parts:
+            for row in ds:
+                if i % n == k:
+                    yield i, _row_text(row, column, where)
+                i += 1
 
     def documents(self, epoch: int, start: int = 0) -> Iterator[tuple[int, str]]:
         # Shuffle *after* sharding and in Python: ``IterableDataset.shuffle`` also reorders the source
@@ -301,10 +381,12 @@ def open_source(cfg: DataConfig) -> _Source:
     """The document source of ``cfg``; missing paths and unreachable datasets fail here, eagerly.
 
     Logs one INFO line saying how the shard is split (by files or by documents) and how many files
-    it opens: with fewer files than readers, the fallback still opens every file.
+    it opens: with fewer files than readers, the fallback still opens every file. The keys are the
+    run's (:func:`run_keys`): by file unless a reader of the run resumed a position saved before them.
     """
     cfg.validate()
-    source: _Source = _StdlibSource(cfg) if cfg.source == "stdlib" else _DatasetSource(cfg)
+    keys = run_keys(cfg)
+    source: _Source = _StdlibSource(cfg, keys) if cfg.source == "stdlib" else _DatasetSource(cfg, keys)
     log.info("%s", source.sharding.describe(cfg.source))
     return source
 
@@ -395,8 +477,14 @@ def _row_text(row: dict[str, Any], column: str, where: str) -> str:
 
 
 def _settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """A data position's fingerprint without the corpus's file count (see ``load_state_dict``)."""
-    return {k: v for k, v in fingerprint.items() if k != "files"}
+    """A data position's fingerprint without the corpus's file count and keys (see ``load_state_dict``)."""
+    return {k: v for k, v in fingerprint.items() if k not in ("files", "keys")}
+
+
+def _saved_keys(saved: dict[str, Any]) -> str:
+    """The keys a data position was saved under: recorded since they are; before, positions with the
+    file count (which came with keys by file) keyed by file, and older ones by index."""
+    return str(saved.get("keys", KEYS_BY_FILE if "files" in saved else KEYS_BY_INDEX))
 
 
 def _buffer_shuffle(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
@@ -471,11 +559,14 @@ class TokenBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` was taken; iterators created afterwards start there.
 
-        A position saved for other data settings (source, shard, seed, tokenizer) is refused. One saved
-        when the corpus had another number of files (files were added, or the position predates keys
-        by file) names other documents, since every key depends on that number: that is not the
-        operator's setting, so rather than stop the site it is logged and the saved epoch starts over
-        (documents already read this epoch come again; none is skipped).
+        A position saved for other data settings (source, shard, seed, tokenizer) is refused. The
+        position's document keys become this reader's and its run's (:func:`run_keys`): a position
+        saved before keys by file (it records neither keys nor the corpus's file count) resumes by
+        index, exactly where it was, and so does the run's held-out shard, which keeps its documents.
+        A position saved when the corpus had another number of files (files were added) names other
+        documents, since keys depend on that number: that is not the operator's setting, so rather than
+        stop the site it is logged and the saved epoch starts over (documents already read this epoch
+        come again; none is skipped).
         """
         saved = state.get("data")
         now = self._fingerprint()
@@ -484,16 +575,33 @@ class TokenBatches:
                 f"the data position was saved for {saved}, but the data is now {now}; "
                 "the shard or order changed, so the position cannot be resumed"
             )
+        keys = None if saved is None else _saved_keys(saved)
+        if keys not in (None, KEYS_BY_FILE, KEYS_BY_INDEX):
+            raise ConfigError(
+                f"the data position was saved with document keys {keys!r}, which this version does not "
+                f"know (it knows {KEYS_BY_FILE!r} and {KEYS_BY_INDEX!r}), so it cannot be resumed"
+            )
         self._batches = int(state["batches"])
         self._epoch = int(state["epoch"])
         self._doc = int(state["document"])
         self._offset = int(state["offset"])
-        if saved is not None and saved.get("files") != now["files"] and not self._same_order(saved):
+        if saved is None or keys is None:
+            return
+        self.cfg._shared_run().keys = keys  # for the run's readers opened from now on: its held-out shard
+        if keys != self.sharding.keys:
+            self._source.sharding = replace(self.sharding, keys=keys)
+            if keys == KEYS_BY_INDEX:
+                log.info(
+                    "the data position predates keys by file: this run keeps keys by corpus index, and "
+                    "with them its training and held-out documents (new runs key by file); %s",
+                    self.sharding.describe(self.cfg.source),
+                )
+        if "files" in saved and saved["files"] != now["files"]:
             log.warning(
                 "the data position was saved when %r had %s files; it has %d now, so the position names "
                 "other documents: epoch %d of shard %d of %d starts over",
                 self.cfg.source,
-                saved.get("files", "an unrecorded number of"),
+                saved["files"],
                 now["files"],
                 self._epoch,
                 self.cfg.shard_index,
@@ -501,21 +609,12 @@ class TokenBatches:
             )
             self._doc, self._offset = 0, 0
 
-    def _same_order(self, saved: dict[str, Any]) -> bool:
-        """Whether a position saved before keys by file (no ``files``) names the same documents.
-
-        The earlier key was the document's place in the whole corpus. It equals ``file + files * row``
-        when every file is one document or there is one file, and a single shard reads every document
-        in corpus order under either key.
-        """
-        layout = self.sharding
-        return "files" not in saved and (layout.single_documents or layout.files == 1 or layout.count == 1)
-
     def _fingerprint(self) -> dict[str, Any]:
         d = asdict(self.cfg)
         d.pop("seq_len")  # the position is in tokens, so a new window length can resume it
         d["tokenizer"] = repr(self.tokenizer)
         d["files"] = self.sharding.files  # every document's key depends on it
+        d["keys"] = self.sharding.keys
         return d
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -96,10 +96,14 @@ class EvalConfig:
             )
 
     def held_out(self, data: DataConfig) -> DataConfig:
-        """The data config of the held-out shard: ``data`` with this config's (resolved) shard."""
+        """The data config of the held-out shard: ``data`` with this config's (resolved) shard.
+
+        A shard of ``data``'s run, so it keys documents as the run's training stream does -- by index
+        when that resumed a position saved before keys by file (:meth:`DataConfig.with_shard`).
+        """
         num_shards = self.num_shards or data.num_shards
         shard_index = num_shards - 1 if self.shard_index < 0 else self.shard_index
-        return dataclasses.replace(data, shard_index=shard_index, num_shards=num_shards)
+        return data.with_shard(shard_index, num_shards)
 
     def check_against(self, data: DataConfig) -> None:
         """Refuse a held-out shard that does not exist or shares documents with the training shard ``data``.
