@@ -317,8 +317,9 @@ def test_a_restarted_sites_counters_start_at_0_and_its_run_totals_are_gauges(tmp
     restarted = stand_in_site(tmp_path / "restarted", T0 + 3 * HOUR)
     collector = SiteCollector(restarted)
     assert value(collected(collector), "greenswarm_run_tokens") == 0  # (scraped while it resumes)
-    with collector.restoring():  # as the node resumes (site.py)
+    with collector.restoring():  # as the node resumes (site.py); a scrape meanwhile leaves them out
         restore(restarted)
+        assert not samples_of(collected(collector), "greenswarm_tokens_total")
     assert_restarted(collected(collector))
     # ... and a collector made over totals already restored starts from them just the same
     restored = stand_in_site(tmp_path / "restored", T0 + 3 * HOUR)

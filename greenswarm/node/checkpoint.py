@@ -48,7 +48,9 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         content = {"format": FORMAT, "digest": content_digest(payload), **payload}  # (not a write error)
         try:
-            with open(self.pending, "wb") as f:
+            # a new file, never the old one truncated: a reader may have the old one mapped
+            self.pending.unlink(missing_ok=True)
+            with open(self.pending, "xb") as f:
                 torch.save(content, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -99,7 +101,7 @@ class Checkpointer:
         if not path.exists():
             return None
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            payload = _load(path, mmap)
         except Exception as e:  # torn or corrupted file: say so; the caller decides what to try next
             log.warning("checkpoint %s is unreadable (%s)", path, e)
             return None
@@ -111,6 +113,16 @@ class Checkpointer:
             log.warning("checkpoint %s does not match its digest (damaged); ignoring it", path)
             return None
         return content
+
+
+def _load(path: Path, mmap: bool) -> Any:
+    """``torch.load`` of a checkpoint, mapped when asked and the file and its filesystem allow it."""
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except (RuntimeError, OSError, ValueError) as e:  # an old (non-zip) file, a filesystem without mmap
+            log.debug("cannot map %s (%s); reading it", path, e)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def fsync_directory(directory: str | Path) -> None:

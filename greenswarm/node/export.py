@@ -70,7 +70,7 @@ def export_run(
     """Write the global model of the site whose run directory is ``run_dir`` (its newest verified
     checkpoint, or with ``best`` its best kept one by held-out loss) to ``out`` as a Hugging Face model
     directory. Returns what it wrote, for the CLI's report."""
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser().resolve()
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such directory (a site's node.run_dir)", field="--run-dir")
     described = _read_description(run_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,13 +185,22 @@ def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:
         log.debug("shutdown of %s failed: %r", type(part).__name__, e)
 
 
-def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm: str) -> None:
+def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm: str, ttl_s: float) -> None:
     """Refuse to train in a swarm whose live sites train another model: one line naming both sides
     and what differs (architecture, parameter count, tokenizer, starting weights). Averaging them could
     not work (the vectors differ in length or meaning, or start from different places), and neither
-    could adopting their state."""
+    could adopting their state.
+
+    Only records that outlive one record lifetime (``ttl_s``) count, and never this site's own (under
+    an earlier peer id, from before a restart or an upgrade): a record lives on for a while after its
+    process ends, and a refusal ends the node."""
     view.poll_now()
-    unlike = view.unlike()
+    seen = {r.peer_id for r in view.unlike() if r.site != site}
+    if not seen:
+        return
+    time.sleep(ttl_s)
+    view.poll_now()
+    unlike = [r for r in view.unlike() if r.site != site and r.peer_id in seen]
     if not unlike:
         return
     other = unlike[0]
@@ -207,4 +217,6 @@ def refuse_other_models(view: SwarmView, model: ModelIdentity, site: str, swarm:
 
 def _in_words(items: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
+    if not items:
+        return "configuration"
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

@@ -200,6 +200,11 @@ def ledger_totals(ledger: Any) -> Totals:
     }
 
 
+def _nothing(*_: Any) -> Iterator[Metric]:
+    """No samples: what a checkpointed total exports while the node restores it."""
+    return iter(())
+
+
 def _counted(
     run: Totals, at_start: Totals, name: str, doc: str, label: str | None, keys: dict[str, str]
 ) -> Iterator[Metric]:
@@ -240,7 +245,8 @@ class SiteCollector(Collector):
 
     def __init__(self, node: MeteredSite):
         self.node = node
-        self._lock = threading.Lock()  # taken by scrapes, and by the node only while it restores
+        self._lock = threading.Lock()  # taken briefly by scrapes, and by the node around its restore
+        self._restoring = False
         self._count_from_now()
 
     def _count_from_now(self) -> None:
@@ -249,11 +255,17 @@ class SiteCollector(Collector):
 
     @contextlib.contextmanager
     def restoring(self) -> Iterator[None]:
-        """Around the node's restore from a checkpoint: scrapes wait for it, and the counters count
-        from the restored totals, so no scrape sees the totals and their start on different sides."""
+        """Around the node's restore from a checkpoint: the counters count from the restored totals.
+        Scrapes meanwhile leave the checkpointed counters and gauges out rather than wait (a big
+        checkpoint takes a while to read), so none sees the totals and their start on different sides."""
         with self._lock:
+            self._restoring = True
+        try:
             yield
-            self._count_from_now()
+        finally:
+            with self._lock:
+                self._count_from_now()
+                self._restoring = False
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -271,10 +283,11 @@ class SiteCollector(Collector):
             state.add_metric([s.value], 1 if s is current else 0)
         yield state
 
-        with self._lock:  # (after a restore in progress: the totals and their start on the same side)
+        with self._lock:  # (the totals and their start read on the same side of a restore)
+            restoring = self._restoring
             run = {**stats_totals(stats), **ledger_totals(node.ledger)}
             at_start = {**self._stats_at_start, **self._ledger_at_start}
-        counted = functools.partial(_counted, run, at_start)
+        counted = functools.partial(_counted, run, at_start) if not restoring else _nothing
 
         # training
         yield from counted("tokens", "Tokens this site trained on", None, {"": "tokens"})

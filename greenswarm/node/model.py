@@ -344,7 +344,7 @@ class ModelIdentity:
     @property
     def key(self) -> str:
         """What averaging groups are keyed by: sites of another model never meet this one."""
-        return f"{self.digest}{self.weights}"
+        return f"{self.digest}-{self.weights}"
 
     def differences(self, other: ModelIdentity) -> list[str]:
         """What differs from ``other``, in words."""
@@ -358,12 +358,16 @@ class ModelIdentity:
             )
             if a != b
         ]
-        if not named and self.digest != other.digest:
+        if not named and self.key != other.key:
             versions = ""
             if self.transformers != other.transformers:
                 versions = f" (transformers {self.transformers} here, {other.transformers} there)"
             named = [f"configuration{versions}"]
         return named
+
+    def same_model(self, other: ModelIdentity | None) -> bool:
+        """Whether ``other`` trains this model from this start (the library versions may differ)."""
+        return other is not None and other.key == self.key
 
     def to_wire(self) -> str:
         fields = (self.architecture, str(self.parameters), self.tokenizer, self.digest, self.weights)
@@ -386,8 +390,14 @@ _NOT_ARCHITECTURE = {
 }  # fmt: skip
 
 
-def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str) -> ModelIdentity:
-    """The :class:`ModelIdentity` of a built (unsharded, not yet trained) model and its tokenizer."""
+def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str, cfg: ModelConfig) -> ModelIdentity:
+    """The :class:`ModelIdentity` of a model built from ``cfg`` (unsharded, not yet trained) and its
+    tokenizer.
+
+    The starting weights are named by their recipe where they are drawn (``seed-N``: the random init
+    of the architecture the digest describes), not by their bits: a CPU's vector unit changes the last
+    bits of ``normal_`` (x86 AVX2 against aarch64), and those sites must still train together. Weights
+    read from ``init_from`` are the file's bits on every host, so they are fingerprinted."""
     import transformers
 
     config = model.config  # type: ignore[union-attr]
@@ -400,21 +410,23 @@ def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str) -> ModelI
         count_parameters(model),
         tokenizer_fingerprint,
         digest,
-        weights_fingerprint(model),
+        f"init-{weights_fingerprint(model)}" if cfg.init_from is not None else f"seed-{cfg.seed}",
         str(transformers.__version__),
     )
 
 
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module, per_tensor: int = 1024) -> str:
-    """A fingerprint of a model's weights from an evenly strided sample of each tensor: cheap at any
-    size and on any device (a billion parameters are not hashed at every start), and different for
-    any two inits or checkpoints that differ anywhere but by chance in every sampled value."""
+    """A fingerprint of a model's weights from ``per_tensor`` evenly spaced values of each tensor, its
+    first and last included, with each tensor's sum: cheap at any size (a billion parameters are not
+    hashed at every start) and, for two sets of weights that differ anywhere, different but by chance."""
     digest = hashlib.blake2b(digest_size=4)
     for p in model.parameters():
         flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // per_tensor)
-        digest.update(flat[::step][:per_tensor].to("cpu", torch.float32).numpy().tobytes())
+        index = torch.linspace(0, flat.numel() - 1, min(flat.numel(), per_tensor), device=flat.device)
+        sample = flat.index_select(0, index.round().long()).to("cpu", torch.float32)
+        digest.update(sample.numpy().tobytes())
+        digest.update(flat.double().sum().to("cpu").numpy().tobytes())
     return digest.hexdigest()
 
 

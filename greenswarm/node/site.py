@@ -312,7 +312,9 @@ class SiteNode:
             cfg, outer.numel, self.global_state.served, self.faults, self.log, self.trainer.identity
         )
         self.peer_id = self.swarm.peer_id
-        refuse_other_models(self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name)
+        refuse_other_models(
+            self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name, cfg.node.progress_ttl_s
+        )
         parts = (self.swarm.averager, self.swarm.digests, averaging, cfg.name, self.peer_id)
         self.federation = Federation(*parts, self.faults, self.started, self.log)
         self.round_handler = RoundHandler(

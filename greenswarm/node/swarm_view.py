@@ -28,6 +28,7 @@ class SwarmView:
     def __init__(self, dht: Any, swarm: str, my_peer_id: str, poll_s: float, model: str | None = None):
         self.dht, self.swarm, self.me, self.poll_s = dht, swarm, my_peer_id, poll_s
         self.model = model  # this site's ModelIdentity.to_wire(): sites training another model are not peers
+        self._identity = ModelIdentity.from_wire(model) if model else None
         self._records: list[ProgressRecord] = []
         self._unlike: list[ProgressRecord] = []  # live sites that train another model
         self._said_unlike: set[str] = set()
@@ -50,8 +51,15 @@ class SwarmView:
         except Exception as e:  # the DHT may be shutting down or briefly unreachable
             log.debug("progress poll failed: %r", e)
             return
-        # (a record without a model is an older greenswarm's: it averages under another key)
-        unlike = [r for r in records if self.model and r.model != self.model and r.peer_id != self.me]
+        # (a record without a model is an older greenswarm's: it averages under another key; another
+        # version of transformers with the same model and start is the same model)
+        unlike = [
+            r
+            for r in records
+            if self._identity is not None
+            and r.peer_id != self.me
+            and not self._identity.same_model(ModelIdentity.from_wire(r.model or ""))
+        ]
         for record in unlike:
             if record.peer_id not in self._said_unlike:
                 self._said_unlike.add(record.peer_id)

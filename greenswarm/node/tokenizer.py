@@ -131,14 +131,19 @@ def _first_not_none(*values: int | None) -> int | None:
     return None
 
 
+#: text whose tokens show how a tokenizer splits: cases, digits, whitespace runs, punctuation, accents,
+#: scripts other than Latin, emoji and a control character
+PROBE = (
+    "The quick brown fox -- jumps over 1,234,567 lazy dogs!\n\tIndented  twice;\r\n"
+    "naïve café Ünïcödé, 日本語のテキスト, русский текст, عربى, 🙂👍🏽\x07 end."
+)
+
+
 def _tokenizer_digest(tokenizer: Any) -> str:
-    """What two sites compare: how the tokenizer splits text, not where it was read from. A fast
-    tokenizer's whole serialised state (vocabulary, merges, normaliser, pre-tokeniser, added tokens);
-    a slow one's vocabulary and added tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        state = backend.to_str()
-    else:
-        vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-        state = json.dumps([vocab, sorted(map(str, tokenizer.all_special_tokens))], ensure_ascii=False)
+    """What two sites compare: how the tokenizer splits text, not where it lies or how a library version
+    serialises it -- the vocabulary by id, the special tokens, and the tokens of :data:`PROBE`."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(map(str, tokenizer.all_special_tokens))
+    probe = tokenizer.encode(PROBE, add_special_tokens=False)
+    state = json.dumps([vocab, special, probe], ensure_ascii=False)
     return hashlib.blake2b(state.encode(), digest_size=4).hexdigest()

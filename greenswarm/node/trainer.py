@@ -58,7 +58,9 @@ class InnerTrainer:
         self.num_parameters = count_parameters(self.model)
         self.shapes = [p.shape for p in self.model.parameters()]
         self.names = [name for name, _ in self.model.named_parameters()]  # the flat vector's order
-        self.identity = model_identity(self.model, self.tokenizer.fingerprint)  # what every site must share
+        self.identity = model_identity(
+            self.model, self.tokenizer.fingerprint, model_cfg
+        )  # what every site must share
         if world.distributed:
             _shard_with_fsdp(self.model)
         self.model.train()
