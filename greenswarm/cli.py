@@ -289,10 +289,10 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser(
         "export",
         help="write a site's global model as a Hugging Face model directory",
-        description="Write the global model of a site's newest verified checkpoint (or, with --best, of the "
-        "best one it kept by held-out loss) as a Hugging Face model directory: safetensors weights, "
-        "config.json and the tokenizer where the site used one, loadable with "
-        "AutoModelForCausalLM.from_pretrained(OUT). Works for a site of any number of ranks (FSDP).",
+        description="Write the global model of a site's newest verified checkpoint (or, with --best, the "
+        "model its best kept checkpoint by held-out loss was measured on) as a Hugging Face model "
+        "directory: safetensors weights, config.json and the tokenizer where the site used one, loadable "
+        "with AutoModelForCausalLM.from_pretrained(OUT). Works for a site of any number of ranks (FSDP).",
         epilog="example:\n  greenswarm export --run-dir runs/site-a --out models/site-a\n"
         "  greenswarm node --config site.yaml --set model.init_from=models/site-a   # continue from it",
         formatter_class=argparse.RawDescriptionHelpFormatter,

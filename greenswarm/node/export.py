@@ -75,9 +75,9 @@ def export_run(
         raise ConfigError(f"{run_dir}: no such directory (a site's node.run_dir)", field="--run-dir")
     described = _read_description(run_dir)
     payload, source, kept = _checkpoint(run_dir, best)
-    flat = payload["outer"][0]
     names = [str(name) for name, _ in described["parameters"]]
     shapes = [torch.Size(shape) for _, shape in described["parameters"]]
+    flat = _evaluated(payload, names, source) if best else payload["outer"][0]
     expected = sum(s.numel() for s in shapes)
     if flat.numel() != expected:
         raise GreenswarmError(
@@ -97,6 +97,7 @@ def export_run(
         "outer_round": site.get("outer_round"),
         "lineage": site.get("lineage"),
         "held_out_loss": kept.loss if kept else None,
+        "model": "the model its held-out loss was measured on" if best else "the global model",
         "identity": described["identity"],
         "source": described["source"],
         "tokenizer": described["tokenizer"],
@@ -206,6 +207,17 @@ def kept_best(run_dir: Path) -> list[BestEntry]:
     return [e for e in entries if (directory / e.file).is_file()]
 
 
+def _evaluated(payload: dict[str, Any], names: list[str], source: Path) -> torch.Tensor:
+    """The model a kept checkpoint's held-out loss was measured on, as one flat vector: the site's own
+    model when it was saved (with rounds beside training, the global model plus the inner steps taken
+    while its round ran; with blocking rounds, the global model itself)."""
+    try:
+        state = payload["trainer"]["model"]
+        return torch.cat([state[name].detach().reshape(-1).to(torch.float32) for name in names])
+    except (KeyError, TypeError) as e:
+        raise GreenswarmError(f"{source} holds no model state under {e}; export it without --best") from None
+
+
 def _rebuild(
     config_dict: dict[str, Any], names: list[str], shapes: list[torch.Size], flat: torch.Tensor
 ) -> Any:
@@ -258,7 +270,8 @@ def print_export(report: dict[str, Any], as_json: bool) -> None:
         return
     loss = report["held_out_loss"]
     print(
-        f"wrote {report['out']}: {report['architecture']}, {report['parameters']:,} parameters, "
+        f"wrote {report['out']} ({report['model']}): {report['architecture']}, {report['parameters']:,} "
+        "parameters, "
         f"outer step {report['outer_round']}"
         + (f", held-out loss {loss:.4f}" if loss is not None else "")
         + f" (from {report['checkpoint']})"
