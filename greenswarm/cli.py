@@ -7,6 +7,7 @@ and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -488,8 +489,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`greenswarm windows ... | head`): stop quietly
+        _silence_stdout()
+        return 141  # what a shell reports for a command ended by SIGPIPE
     finally:
         reap_children()  # whatever a command started (a DHT process, p2pd, site nodes) ends with it
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of a closed pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

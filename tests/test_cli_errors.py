@@ -255,3 +255,21 @@ def test_help(tmp_path: Path) -> None:
     assert node.returncode == 0, node.stderr
     for flag in ("--config", "--initial-peers", "--set", "--run-dir"):
         assert flag in node.stdout
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]], ids=["table", "json"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(output: list[str]) -> None:
+    """``greenswarm windows ... | head -0``: the pipe is closed before the command writes; it stops
+    without a traceback, whether it prints a rich table or plain JSON."""
+    command = ["windows", "--trace", "builtin", "--region", "CAISO_NORTH", *output]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "greenswarm", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) != 0
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
