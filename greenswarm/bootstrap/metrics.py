@@ -12,6 +12,7 @@ is among them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import Iterator
@@ -122,16 +123,11 @@ class BootstrapCollector(Collector):
         )
         info.add_metric([peer.peer_id, peer.cfg.swarm], 1)
         yield info
-        try:
-            connected = connections(peer.dht, timeout_s=PEERS_TIMEOUT_S)
-        except Exception as err:  # the daemon did not answer: one gauge fewer, not a failed scrape
-            log.debug("metrics: cannot list connections: %r", err)
-        else:
-            yield peers_gauge(
-                "greenswarm_bootstrap_peers_connected",
-                "Peers connected to the bootstrap: directly, or only through a relay",
-                connected,
-            )
+        yield from peers_gauge(
+            "greenswarm_bootstrap_peers_connected",
+            "Peers connected to the bootstrap: directly, or only through a relay",
+            functools.partial(connections, peer.dht, timeout_s=PEERS_TIMEOUT_S),
+        )
         try:
             samples = p2pd_samples(peer.p2pd_metrics) if peer.p2pd_metrics else None
         except Exception as err:

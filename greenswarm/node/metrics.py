@@ -34,7 +34,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import ProcessCollector, start_http_server
@@ -160,11 +160,20 @@ def peers_by_path(connections: dict[str, list[str]]) -> dict[str, int]:
     return {"direct": len(connections) - relayed, "relay": relayed}
 
 
-def peers_gauge(name: str, doc: str, connections: dict[str, list[str]]) -> GaugeMetricFamily:
+def peers_gauge(
+    name: str, doc: str, list_connections: Callable[[], dict[str, list[str]]]
+) -> Iterator[Metric]:
+    """Peers by path (direct, relay) from ``list_connections``; nothing when the p2p daemon does not
+    answer (one gauge fewer, not a failed scrape)."""
+    try:
+        connections = list_connections()
+    except Exception as err:  # the daemon did not answer in PEERS_TIMEOUT_S
+        log.debug("metrics: cannot list connections: %r", err)
+        return
     gauge = GaugeMetricFamily(name, doc, labels=["path"])
     for path, count in peers_by_path(connections).items():
         gauge.add_metric([path], count)
-    return gauge
+    yield gauge
 
 
 def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
@@ -364,16 +373,11 @@ class SiteCollector(Collector):
 
         # the swarm
         if swarm is not None:
-            try:
-                connections = swarm.connections(timeout_s=PEERS_TIMEOUT_S)
-            except Exception as err:  # the daemon did not answer: one gauge fewer, not a failed scrape
-                log.debug("metrics: cannot list connections: %r", err)
-            else:
-                yield peers_gauge(
-                    "greenswarm_peers_connected",
-                    "Peers the site's p2p daemon is connected to: directly, or only through a relay",
-                    connections,
-                )
+            yield from peers_gauge(
+                "greenswarm_peers_connected",
+                "Peers the site's p2p daemon is connected to: directly, or only through a relay",
+                functools.partial(swarm.connections, timeout_s=PEERS_TIMEOUT_S),
+            )
 
     def _window(self, now: float) -> Iterator[Metric]:
         """Whether the site is in a window, when it ends and when the next one starts (clock time).
