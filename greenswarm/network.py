@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.hivemind_internals import add_p2pd_mode, p2pd_mode
 from greenswarm.procs import exit_with_parent, reap_children
@@ -106,6 +107,10 @@ class SwarmConfig:
     ``certificate`` and ``authority``: the site's membership certificate and the swarm authority's
     public key. The node checks at start that the certificate is valid for this swarm, this site's
     name and region, and the peer id of ``identity`` (so both need a fixed identity file).
+
+    ``join_retry_s``: seconds to wait before each new try when no initial peer answers
+    (:data:`JOIN_RETRY_DELAYS_S`, 15 s in all); a site whose bootstrap restarts slowly can wait longer,
+    a script that wants to know at once shorter (``[]``: one try).
     """
 
     name: str = "greenswarm"
@@ -116,6 +121,7 @@ class SwarmConfig:
     reachability: Reachability = "auto"
     certificate: str | None = None  # this site's membership certificate (greenswarm swarm admit)
     authority: str | None = None  # the swarm authority's public key (.pub) that signed it
+    join_retry_s: list[float] = field(default_factory=lambda: list(JOIN_RETRY_DELAYS_S))
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -137,6 +143,8 @@ class SwarmConfig:
             raise ConfigError(
                 f"must be one of {', '.join(REACHABILITY)}, got {self.reachability!r}", field="reachability"
             )
+        for delay in self.join_retry_s:
+            check_number(delay, "join_retry_s", minimum=0.0, inclusive=True)
 
 
 def _ips(maddrs: list[str]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:

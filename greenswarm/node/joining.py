@@ -105,6 +105,7 @@ def join_swarm(
         host_maddrs=swarm.host_maddrs,
         identity_path=swarm.identity,
         record_validators=validators,
+        retry_delays_s=tuple(swarm.join_retry_s),
         **reach,
     )
     started: list[tuple[Any, str]] = [(dht, "shutdown")]  # stopped in reverse if a later part fails
