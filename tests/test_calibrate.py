@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from greenswarm.errors import ConfigError
+from greenswarm.scheduler.policy import Window, noticed_late_s
 from greenswarm.simulation.calibrate import calibrate
 from greenswarm.simulation.policies import load_policy
 from greenswarm.simulation.report import simulate
@@ -49,13 +50,56 @@ def test_calibration_pools_the_sites_of_a_run(tmp_path: Path) -> None:
     assert calibrate(tmp_path / "a").sites == 1  # one site's run_dir works too
 
 
+def _history(site: Path, points: list[tuple[str, float | None]]) -> None:
+    """A history.jsonl of state-change points (state, late_s), after a start line."""
+    lines = [json.dumps({"kind": "start", "site": site.name})]
+    for state, late in points:
+        point = {"kind": "point", "clock": 0.0, "state": state}
+        if late is not None:
+            point["late_s"] = late
+        lines.append(json.dumps(point))
+    (site / "history.jsonl").write_text("\n".join(lines + ['{"torn']))
+
+
+def test_calibration_takes_how_late_the_node_noticed_its_windows(tmp_path: Path) -> None:
+    """The mean lateness of every window entered and left, over the sites; the policy then reacts
+    by those delays instead of its polls. Changes that cross no edge (SOLO <-> FEDERATED, the stop)
+    carry no late_s and count for nothing."""
+    _site(tmp_path, "a", blocked=[0.01])
+    _site(tmp_path, "b", blocked=[0.01])
+    _history(tmp_path / "a", [("IDLE", None), ("SOLO", 2.0), ("FEDERATED", None), ("IDLE", 40.0)])
+    _history(
+        tmp_path / "b", [("IDLE", None), ("FEDERATED", 6.0), ("IDLE", 80.0), ("SOLO", 10.0), ("IDLE", None)]
+    )
+    cal = calibrate(tmp_path)
+    assert cal.window_edges == 5
+    assert cal.enter_delay_s == pytest.approx(6.0) and cal.leave_delay_s == pytest.approx(60.0)
+    prov = cal.apply(load_policy("greenswarm")).provisioning
+    assert (prov.at_polls, prov.enter_delay_s, prov.leave_delay_s) == (False, pytest.approx(6.0), 60.0)
+    assert prov.round_overhead_power == "train"  # measured on a node: its ledger books the pause so
+    described = cal.apply(load_policy("curtail-llm")).describe()
+    assert "starts 6 s after a window opens, stops 60 s after it closes" in described
+    assert "reacts instantly" in described and "at train power" in described
+
+
+def test_noticed_late_s_is_measured_only_at_an_edge_the_site_passed() -> None:
+    window = Window(100.0, 200.0)
+    assert noticed_late_s(103.0, True, window, None) == pytest.approx(3.0)  # entered 3 s after it opened
+    assert noticed_late_s(230.0, False, None, window) == pytest.approx(30.0)  # left 30 s after it closed
+    assert noticed_late_s(150.0, False, window, window) is None  # SOLO -> FEDERATED inside the window
+    assert noticed_late_s(150.0, False, None, None) is None  # no window was held (a stop)
+    assert noticed_late_s(230.0, False, None, window, signal_end=200.0) is None  # the trace ended
+
+
 def test_a_run_that_cannot_say_keeps_the_policys_figures(tmp_path: Path) -> None:
     _site(tmp_path, "a", blocked=[], idle_h=0.0)
     cal = calibrate(tmp_path)
-    assert cal.idle_kw is None and cal.round_overhead_s is None
+    assert cal.idle_kw is None and cal.round_overhead_s is None and cal.leave_delay_s is None
     assert any("round pause kept" in n for n in cal.notes) and any("idle_kw kept" in n for n in cal.notes)
+    assert any("polls kept" in n for n in cal.notes)
     policy = cal.apply(load_policy("greenswarm"))
     assert policy.energy.idle_kw == 0.468 and policy.provisioning.round_overhead_s == 1.0
+    assert policy.provisioning.at_polls
 
 
 @pytest.mark.parametrize(

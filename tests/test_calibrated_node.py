@@ -3,8 +3,14 @@
 Two sites replay 8 hours of a two-region trace at 600x (windows that overlap for three hours, so
 rounds are federated there and solo elsewhere), with the node's default power model: 2.024 kW while
 training, 0.468 kW while IDLE with the model kept. The simulator, calibrated from their run
-directories (power per state from the ledgers, the round pause from the round logs), must book the
-swarm's emissions within 3 % of the two ledgers together.
+directories (power per state from the ledgers, the round pause from the round logs, how late each
+node noticed its windows open and close from their histories), must book the swarm's emissions
+within 1 % of the two ledgers together.
+
+At 600x a node that finishes an inner step of 0.1 s after its window closed trains a minute of
+clock time at the dirty grid's intensity, and on a loaded machine a round holds training up for
+minutes of clock time: a simulator that reacted at its polls and idled through the pause was off by
+4 % on a run beside two busy processes, this one by 0.1 % (docs/deadline.md).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def test_the_calibrated_simulator_books_what_the_nodes_booked(swarm: Swarm, tmp_
     assert measured.train_kw == pytest.approx(2.024) and measured.idle_kw == pytest.approx(0.468)
     trace = load_trace(str(trace_path))
     sim = simulate(trace, list(REGIONS), measured.apply(load_policy("greenswarm")), start=trace.start).report
-    assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)
+    assert measured.window_edges >= 6 and measured.leave_delay_s is not None  # (7 edges: see REGIONS)
+    assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.01), (sim["emissions_kg"], booked_kg)
 
     # and the command line says what it took from the run
     out = subprocess.run(

@@ -187,13 +187,13 @@ def test_integrals_match_the_trace() -> None:
 
 
 def test_split_federated_duty_cycle() -> None:
-    """Where two sites train at once, each trains round/(round+overhead) of the time and idles the rest;
-    outside that stretch nothing changes."""
+    """Where two sites train at once, each trains round/(round+overhead) of the time and pauses the rest
+    (at the pause's power); outside that stretch nothing changes."""
     runs = [
         run_of("a", "A", ("train", [(0, 3600)], 2.0, 1.0)),
         run_of("b", "B", ("train", [(1800, 5400)], 2.0, 1.0), ("idle", [(0, 1800)], 0.5, 0.0)),
     ]
-    split_federated(runs, round_s=600.0, overhead_s=150.0, idle_kw=0.5)
+    split_federated(runs, round_s=600.0, overhead_s=150.0, pause_kw=0.5)
     duty = 600.0 / 750.0
     a = {s.kind: s for s in runs[0].segments}
     assert a["train"].intervals.tolist() == [[0, 1800]] and a["train"].rate == 1.0
@@ -313,6 +313,39 @@ def test_site_run_polls_and_clips_to_start() -> None:
     assert train.tolist() == [[367.0, 967.0]]
     late = site_run("s", "A", trace, load_policy("ideal"), start=T0 + 600.0)
     assert (late.segments[0].intervals - T0).tolist() == [[600.0, 900.0]]
+
+
+def test_site_run_takes_a_nodes_measured_delays_instead_of_polls() -> None:
+    """With measured delays a site starts that long after its window opens and trains that long past
+    its end (idle until it notices; never past the trace's end, never in a window shorter than the
+    delay to enter it)."""
+    trace = five_minute(A=[200.0, 50.0, 50.0, 200.0, 50.0, 200.0])
+    overrides = ["provisioning.startup_s=0", "provisioning.at_polls=false"]
+    delays = ["provisioning.enter_delay_s=30", "provisioning.leave_delay_s=45"]
+    run = site_run("s", "A", trace, load_policy("greenswarm", overrides + delays), start=T0)
+    train = {s.kind: s.intervals - T0 for s in run.segments}
+    # windows [300, 900) and [1200, 1500): trained [330, 945) and [1230, 1545), idle (powered) around them
+    assert train["train"].tolist() == [[330.0, 945.0], [1230.0, 1500.0 + 45.0]]
+    short = ["provisioning.enter_delay_s=400", "provisioning.leave_delay_s=0"]
+    run = site_run("s", "A", trace, load_policy("greenswarm", overrides + short), start=T0)
+    assert (run.segments[0].intervals - T0).tolist() == [[700.0, 900.0]]  # the 300 s window is missed
+
+
+def test_a_round_pause_at_training_power_books_what_training_would() -> None:
+    """The greenswarm preset pauses at training power (its node stays FEDERATED while a round holds it
+    up), so the pause changes the work done but not the energy; the anchor's pause idles."""
+    trace = hourly(A=[50.0, 50.0], B=[50.0, 50.0])
+    paused = ["provisioning.round_overhead_s=150", "provisioning.startup_s=0"]
+    node = simulate(trace, ["A", "B"], load_policy("greenswarm", paused)).report
+    free = simulate(trace, ["A", "B"], load_policy("greenswarm", paused[1:])).report
+    assert node["energy_kwh"] == pytest.approx(free["energy_kwh"])
+    assert node["site_hours"] < free["site_hours"]
+    idle = simulate(
+        trace, ["A", "B"], load_policy("greenswarm", paused + ["provisioning.round_overhead_power=idle"])
+    )
+    assert idle.report["energy_kwh"] < node["energy_kwh"]
+    with pytest.raises(ConfigError, match="round_overhead_power"):
+        load_policy("greenswarm", ["provisioning.round_overhead_power=half"]).provisioning.validate()
 
 
 # --- the report -----------------------------------------------------------------------------------------

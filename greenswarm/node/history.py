@@ -10,8 +10,10 @@ The file starts with a ``start`` line (what the run follows: the trace, the wind
 interval, the replay's speed-up, the configured power), written again by a restarted process, then
 ``point`` lines. A point is written when the site's state changes, when the node reports an event
 (an outer step, a catch-up, the start and the stop: ``force``), and otherwise every
-``node.log_every_s`` wall seconds, beside the log line. A write that fails is said once and never
-stops training; a torn last line (a kill mid-write) is skipped by :func:`read_history`.
+``node.log_every_s`` wall seconds, beside the log line. A point that records entering or leaving a
+window also says how late after the window's edge the node noticed (``late_s``, clock seconds). A
+write that fails is said once and never stops training; a torn last line (a kill mid-write) is
+skipped by :func:`read_history`.
 """
 
 from __future__ import annotations
@@ -74,16 +76,21 @@ class History:
         # (the trace's identity and length, its whole-trace threshold): computed once per trace
         self._static: tuple[tuple[int, int], float | None] | None = None
 
-    def maybe_write(self, node: Any, force: bool = False) -> None:
+    def maybe_write(self, node: Any, force: bool = False, late_s: float | None = None) -> None:
         """A point for ``node`` (a :class:`~greenswarm.node.site.SiteNode`) if its state changed, an
-        event is ``force``\\ d, or ``every_s`` wall seconds passed since the last one."""
+        event is ``force``\\ d, or ``every_s`` wall seconds passed since the last one. ``late_s``: the
+        change of state this point records came that many clock seconds after its window's edge
+        (:func:`~greenswarm.scheduler.policy.noticed_late_s`), kept as the point's ``late_s``."""
         state = node.state.value
         if not force and state == self.last_state and time.monotonic() - self.last < self.every_s:
             return
         self.last, self.last_state = time.monotonic(), state
         lines = [] if self.started else [self._start_line(node)]
         self.started = True
-        lines.append(self._point(node))
+        point = self._point(node)
+        if late_s is not None:
+            point["late_s"] = late_s
+        lines.append(point)
         self._append(lines)
 
     def _start_line(self, node: Any) -> dict[str, Any]:

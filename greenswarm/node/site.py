@@ -48,7 +48,7 @@ from greenswarm.scheduler.clock import WAITING_FOR_START
 from greenswarm.scheduler.deadline_schedule import DeadlineSchedule
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.live import LiveSchedule
-from greenswarm.scheduler.policy import WindowSchedule
+from greenswarm.scheduler.policy import Window, WindowSchedule, noticed_late_s
 from greenswarm.scheduler.site_schedule import site_schedule
 from greenswarm.scheduler.state import SiteState, decide_state
 from greenswarm.timefmt import parse_instant, utc_minute
@@ -94,6 +94,7 @@ class SiteNode:
         self.membership = None  # this site's checked membership certificate, when it has one
         self.connections: dict[str, list[str]] = {}  # snapshot after the last successful round
         self._slot = -1
+        self._window: Window | None = None  # the window the site was in at its last state decision
         self._begin_s = 0.0  # how long beginning the round in flight held training up
         self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
         self._said_matchmaking = False
@@ -158,11 +159,14 @@ class SiteNode:
     def _update_state(self, now: float) -> SiteState:
         """Account energy for the state held until now, then pick the state for what comes next."""
         self.ledger.advance(now, self.state)
-        in_window = self.schedule.in_window(now)
-        new = decide_state(in_window, len(self.swarm.view.others_in_window()))
+        window = self.schedule.current(now)
+        new = decide_state(window is not None, len(self.swarm.view.others_in_window()))
         if new is not self.state:
             old, self.state = self.state, new
             log_transition(self, old, now)
+            # (the change's own point, before a catch-up or the last round adds theirs)
+            late_s = noticed_late_s(now, old is IDLE, window, self._window, self.schedule.end)
+            self.history.maybe_write(self, force=True, late_s=late_s)
             if new is IDLE:
                 self._finish_round()  # leaving the window: the round in flight ends first
             if old is IDLE:
@@ -173,6 +177,7 @@ class SiteNode:
             if new is IDLE:
                 self.checkpoints.save_if_behind()  # (a checkpoint cadence may have skipped the last step)
             self._report(force=True)
+        self._window = window
         return self.state
 
     def _train_step(self) -> None:

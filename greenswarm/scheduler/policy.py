@@ -215,6 +215,24 @@ class HysteresisPolicy:
         )
 
 
+def noticed_late_s(
+    now: float, entering: bool, window: Window | None, left: Window | None, signal_end: float = math.inf
+) -> float | None:
+    """How many clock seconds after its window's edge a site that changed state at ``now`` noticed it:
+    after ``window``'s start when ``entering`` it, after the end of the window it ``left`` otherwise.
+    None where the change followed no edge the site has passed (a stop, joining or leaving a group
+    inside a window, the signal's end at ``signal_end``): the calibrated simulator models a node's
+    reaction by these figures (:mod:`greenswarm.simulation.calibrate`), so they must be edges the
+    node really crossed."""
+    if entering:
+        edge = window.start if window is not None else None
+    else:
+        edge = left.end if left is not None and left.end < signal_end else None
+    if edge is None or not 0.0 <= now - edge:
+        return None
+    return now - edge
+
+
 class WindowSchedule:
     """One site's windows, with the lookups its control loop needs at every poll."""
 

@@ -7,11 +7,21 @@ waited for it, ``blocked_s``, in wall seconds). From them:
 * ``train_kw``: kWh booked while SOLO or FEDERATED / the hours spent so;
 * ``idle_kw``: kWh booked while IDLE / the hours spent so (what the site drew waiting);
 * ``round_overhead_s``: the median ``blocked_s`` of the rounds the site averaged with others, in
-  clock seconds (x the replay's speed-up), paid once per ``round_s`` = ``averaging.sync_interval_s``.
+  clock seconds (x the replay's speed-up), paid once per ``round_s`` = ``averaging.sync_interval_s``,
+  at training power: the ledger books a site that a round holds up as FEDERATED;
+* ``enter_delay_s`` / ``leave_delay_s``: how late after a window opened (closed) the node noticed and
+  started (stopped) training -- the mean ``late_s`` of the points in ``history.jsonl`` that record
+  those changes, in clock seconds. A node wakes for a window it knows is coming and checks its window
+  after every inner step and round, not at ``scheduler.poll_s`` polls, so where the run crossed
+  edges both ways the simulator takes these delays instead of its polls. They are real: at a
+  replay's speed-up an inner step of 0.1 s is a minute of clock time trained past the window's end,
+  at the window's end's intensity. (The mean, not the median: every crossing is booked, so the
+  total is what must match.)
 
 ``RUN_DIR`` is one site's run directory or a folder of them; figures from several sites are pooled
-(kWh and hours summed, the median over every site's rounds). A figure the run cannot give (no idle
-time, no federated round) keeps the policy's own and says so.
+(kWh and hours summed, the median over every site's rounds, the mean over every site's window
+edges). A figure the run cannot give (no idle time, no federated round, no edge crossed) keeps the
+policy's own and says so.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from greenswarm.jsonlines import read_json_lines
 from greenswarm.simulation.policies import PolicyConfig
 
 TRAINING = ("SOLO", "FEDERATED")
+HISTORY = "history.jsonl"  # (greenswarm.node.history.FILE: the simulator does not import the node)
 FEDERATED_ACTIONS = ("apply", "resync", "fail")
 
 
@@ -40,7 +51,10 @@ class Calibration:
     idle_kw: float | None = None
     round_s: float | None = None
     round_overhead_s: float | None = None
+    enter_delay_s: float | None = None
+    leave_delay_s: float | None = None
     federated_rounds: int = 0
+    window_edges: int = 0
     notes: list[str] = field(default_factory=list)
 
     def apply(self, policy: PolicyConfig) -> PolicyConfig:
@@ -52,8 +66,12 @@ class Calibration:
             energy = replace(energy, idle_kw=self.idle_kw)
         if self.round_s is not None:
             prov = replace(prov, round_s=self.round_s)
-        if self.round_overhead_s is not None:
-            prov = replace(prov, round_overhead_s=self.round_overhead_s)
+        if self.round_overhead_s is not None:  # (measured on a node, whose ledger books the pause so)
+            prov = replace(prov, round_overhead_s=self.round_overhead_s, round_overhead_power="train")
+        if self.enter_delay_s is not None and self.leave_delay_s is not None:
+            prov = replace(
+                prov, at_polls=False, enter_delay_s=self.enter_delay_s, leave_delay_s=self.leave_delay_s
+            )
         return replace(policy, energy=energy, provisioning=prov)
 
     def describe(self) -> dict[str, Any]:
@@ -64,7 +82,10 @@ class Calibration:
             "idle_kw": self.idle_kw,
             "round_s": self.round_s,
             "round_overhead_s": self.round_overhead_s,
+            "enter_delay_s": self.enter_delay_s,
+            "leave_delay_s": self.leave_delay_s,
             "federated_rounds": self.federated_rounds,
+            "window_edges": self.window_edges,
             "notes": list(self.notes),
         }
 
@@ -89,6 +110,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
     kwh = {"train": 0.0, "idle": 0.0}
     hours = {"train": 0.0, "idle": 0.0}
     blocked: list[float] = []
+    enter: list[float] = []
+    leave: list[float] = []
     intervals: set[float] = set()
     for site in sites:
         try:
@@ -109,7 +132,15 @@ def calibrate(run_dir: str | Path) -> Calibration:
         for entry in read_json_lines(site / "rounds.jsonl"):
             if entry.get("action") in FEDERATED_ACTIONS and entry.get("round_s") is not None:
                 blocked.append(float(entry.get("blocked_s", 0.0)) * speedup)
+        site_enter, site_leave = _edge_delays(site / HISTORY)
+        enter += site_enter
+        leave += site_leave
     cal = Calibration(str(root), len(sites), federated_rounds=len(blocked))
+    cal.window_edges = len(enter) + len(leave)
+    if enter and leave:
+        cal.enter_delay_s, cal.leave_delay_s = statistics.fmean(enter), statistics.fmean(leave)
+    else:
+        cal.notes.append("the run did not both enter and leave a window: the polls kept")
     cal.train_kw = kwh["train"] / hours["train"] if hours["train"] > 0 else None
     cal.idle_kw = kwh["idle"] / hours["idle"] if hours["idle"] > 0 else None
     if len(intervals) == 1:
@@ -124,3 +155,22 @@ def calibrate(run_dir: str | Path) -> Calibration:
         if hours[key] <= 0:
             cal.notes.append(f"no time {'training' if key == 'train' else 'idle'}: {name} kept")
     return cal
+
+
+def _edge_delays(path: Path) -> tuple[list[float], list[float]]:
+    """The ``late_s`` of the history points that record entering a window and leaving one."""
+    enter: list[float] = []
+    leave: list[float] = []
+    state = None
+    for point in read_json_lines(path):
+        if point.get("kind") != "point":
+            continue
+        new = point.get("state")
+        late = point.get("late_s")
+        if isinstance(late, int | float) and new != state:
+            if new in TRAINING and state not in TRAINING:
+                enter.append(float(late))
+            elif new not in TRAINING and state in TRAINING:
+                leave.append(float(late))
+        state = new
+    return enter, leave

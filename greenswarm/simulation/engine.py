@@ -54,13 +54,14 @@ class SiteRun:
         return np.concatenate(parts) if parts else EMPTY.copy()
 
 
-def split_federated(runs: list[SiteRun], round_s: float, overhead_s: float, idle_kw: float) -> None:
+def split_federated(runs: list[SiteRun], round_s: float, overhead_s: float, pause_kw: float) -> None:
     """Charge the cost of synchronous rounds where two or more sites train at once.
 
     A round of ``round_s`` seconds of training is followed by ``overhead_s`` seconds in which the
     site is powered but not training (aggregation, evaluation, waiting for stragglers -- 130 s per
-    600 s round in the anchor's logs). Modelled as a duty cycle: inside federated stretches a site
-    trains ``round_s / (round_s + overhead_s)`` of the time and idles the rest.
+    600 s round in the anchor's logs), drawing ``pause_kw``. Modelled as a duty cycle: inside
+    federated stretches a site trains ``round_s / (round_s + overhead_s)`` of the time and pauses the
+    rest.
     """
     if overhead_s <= 0:
         return
@@ -75,7 +76,7 @@ def split_federated(runs: list[SiteRun], round_s: float, overhead_s: float, idle
                 continue
             fed = intersect(seg.intervals, federated)
             out.append(Segments("train", subtract(seg.intervals, federated), seg.kw, seg.rate))
-            out.append(Segments("federated", fed, duty * seg.kw + (1 - duty) * idle_kw, duty * seg.rate))
+            out.append(Segments("federated", fed, duty * seg.kw + (1 - duty) * pause_kw, duty * seg.rate))
         run.segments = out
 
 

@@ -41,6 +41,7 @@ from greenswarm.traces.trace import Trace
 
 StartupPower = Literal["idle", "train"]
 STARTUP_POWER: tuple[str, ...] = get_args(StartupPower)
+OverheadPower = StartupPower
 Powered = Literal["windows", "always"]
 POWERED: tuple[str, ...] = get_args(Powered)
 
@@ -52,31 +53,44 @@ class ProvisioningConfig:
     ``startup_s``: seconds from deciding to train to the first step, drawn at ``idle_kw``
     (``startup_power: idle``, a machine being provisioned) or ``train_kw`` (``train``: GPUs busy
     loading state). ``round_overhead_s``: seconds of no training after every ``round_s`` seconds of
-    training whenever two or more sites train at once, drawn at ``idle_kw``. ``at_polls``: the
-    site notices a change at its next ``scheduler.poll_s`` poll (off only for the ideal yardstick).
-    ``powered``: ``windows`` -- the site draws nothing outside its windows (the anchor deprovisions
-    its machines); ``always`` -- it is powered from the start of the run, drawing ``idle_kw``
-    whenever it is not training (a node that keeps its process and model while IDLE).
+    training whenever two or more sites train at once, drawn at ``idle_kw``
+    (``round_overhead_power: idle``, the anchor's machines waiting for aggregation) or ``train_kw``
+    (``train``: what the node's ledger books, since a site held up by its round stays FEDERATED).
+    ``at_polls``: the site notices a change at its next ``scheduler.poll_s`` poll (off for the
+    ideal yardstick, and where a run measured how late it noticed). ``enter_delay_s`` /
+    ``leave_delay_s``: clock seconds after a window opens (closes) before the site starts (stops)
+    training, on top of the polls -- idle while it has not noticed, training while it finishes the
+    step in hand (``simulate --calibrate`` measures both). ``powered``: ``windows`` -- the site draws
+    nothing outside its windows (the anchor deprovisions its machines); ``always`` -- it is powered
+    from the start of the run, drawing ``idle_kw`` whenever it is not training (a node that keeps its
+    process and model while IDLE).
     """
 
     startup_s: float = 0.0
     startup_power: StartupPower = "idle"
     round_s: float = 600.0
     round_overhead_s: float = 0.0
+    round_overhead_power: OverheadPower = "idle"
     at_polls: bool = True
+    enter_delay_s: float = 0.0
+    leave_delay_s: float = 0.0
     powered: Powered = "windows"
 
     def validate(self) -> None:
         check_number(self.startup_s, "startup_s", minimum=0.0, inclusive=True)
-        if self.startup_power not in STARTUP_POWER:
-            raise ConfigError(
-                f"must be one of {', '.join(STARTUP_POWER)}, got {self.startup_power!r}",
-                field="startup_power",
-            )
+        _one_of(self.startup_power, STARTUP_POWER, "startup_power")
         check_number(self.round_s, "round_s", minimum=0.0, inclusive=False)
         check_number(self.round_overhead_s, "round_overhead_s", minimum=0.0, inclusive=True)
-        if self.powered not in POWERED:
-            raise ConfigError(f"must be one of {', '.join(POWERED)}, got {self.powered!r}", field="powered")
+        _one_of(self.round_overhead_power, STARTUP_POWER, "round_overhead_power")
+        check_number(self.enter_delay_s, "enter_delay_s", minimum=0.0, inclusive=True)
+        check_number(self.leave_delay_s, "leave_delay_s", minimum=0.0, inclusive=True)
+        _one_of(self.powered, POWERED, "powered")
+
+
+def _one_of(value: str, choices: tuple[str, ...], name: str) -> None:
+    """A choice field set in code (the YAML loader checks a ``Literal`` field itself)."""
+    if value not in choices:
+        raise ConfigError(f"must be one of {', '.join(choices)}, got {value!r}", field=name)
 
 
 @dataclass
@@ -102,11 +116,19 @@ class PolicyConfig:
             if s.lookahead:
                 parts.append(f"look-ahead: {s.lookahead}")
         parts.append(f"poll {s.poll_s:g} s" if p.at_polls else "reacts instantly")
+        if p.enter_delay_s or p.leave_delay_s:
+            parts.append(
+                f"starts {p.enter_delay_s:g} s after a window opens, "
+                f"stops {p.leave_delay_s:g} s after it closes"
+            )
         if p.startup_s:
             parts.append(f"start-up {p.startup_s:g} s at {p.startup_power} power")
         parts.append(f"{e.train_kw:g} kW training, {e.idle_kw:g} kW powered but idle")
         if p.round_overhead_s:
-            parts.append(f"{p.round_overhead_s:g} s pause per {p.round_s:g} s federated round")
+            parts.append(
+                f"{p.round_overhead_s:g} s pause per {p.round_s:g} s federated round "
+                f"at {p.round_overhead_power} power"
+            )
         if p.powered == "always":
             parts.append("powered (idle) outside windows too")
         return ", ".join(parts)
@@ -126,7 +148,13 @@ POLICIES: dict[str, PolicyConfig] = {
         "greenswarm",
         {},
         {},
-        {"startup_s": 10.0, "startup_power": "train", "round_overhead_s": 1.0, "powered": "always"},
+        {
+            "startup_s": 10.0,
+            "startup_power": "train",
+            "round_overhead_s": 1.0,
+            "round_overhead_power": "train",
+            "powered": "always",
+        },
     ),
     "curtail-llm": _preset(
         "curtail-llm",
@@ -179,6 +207,9 @@ def site_run(
             _to_poll(enter, start, s.poll_s),
             np.minimum(_to_poll(leave, start, s.poll_s), decide.end),
         )
+    if p.enter_delay_s or p.leave_delay_s:  # (a window shorter than the delay is never trained in)
+        enter, leave = enter + p.enter_delay_s, np.minimum(leave + p.leave_delay_s, decide.end)
+        leave = np.maximum(leave, enter)
     powered = as_intervals(np.column_stack([enter, leave]))
     training = as_intervals(np.column_stack([enter + p.startup_s, leave]))
     startup_kw = e.train_kw if p.startup_power == "train" else e.idle_kw
@@ -202,5 +233,6 @@ def simulate_policy(decide: Trace, regions: list[str], policy: PolicyConfig, sta
     windows = {r: rule.windows(decide, r) for r in dict.fromkeys(regions)}
     runs = [site_run(site_name(i, r), r, decide, policy, start, windows[r]) for i, r in enumerate(regions)]
     p = policy.provisioning
-    split_federated(runs, p.round_s, p.round_overhead_s, policy.energy.idle_kw)
+    pause_kw = policy.energy.train_kw if p.round_overhead_power == "train" else policy.energy.idle_kw
+    split_federated(runs, p.round_s, p.round_overhead_s, pause_kw)
     return runs
