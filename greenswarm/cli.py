@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         "for a certified swarm, see docs/security.md)",
     )
     boot.add_argument(
+        "--revocations",
+        metavar="FILE",
+        help="the authority's revocation list (greenswarm swarm revoke): refuse the members it names, "
+        "and keep the list on the DHT for the sites",
+    )
+    boot.add_argument(
         "--no-relay",
         action="store_true",
         help="do not relay for sites behind NAT (by default the bootstrap carries their connections)",
@@ -380,16 +386,48 @@ def _parser() -> argparse.ArgumentParser:
         "--expires", default="90d", metavar="WHEN", help="a duration (90d, 12h) or an ISO date (default 90d)"
     )
     admit.add_argument("--out", required=True, metavar="FILE", help="where to write the certificate (0600)")
+    admit.add_argument(
+        "--max-tokens-per-s",
+        type=float,
+        metavar="N",
+        help="the most tokens a second this site may claim in a round: a larger claim counts as N x the "
+        "round's interval (default: only the swarm's averaging.max_tokens_per_s)",
+    )
     ident = swsub.add_parser(
         "id", help="print a site's peer id (what the operator admits), creating its identity if missing"
     )
     ident.add_argument("--identity", required=True, metavar="FILE", help="the site's swarm.identity file")
+    revoke = swsub.add_parser(
+        "revoke",
+        help="add a member to the swarm's revocation list (signed by the authority), and store it on the DHT",
+        description="Adds each --peer-id (all of its certificates) and --cert (that one) to the revocation "
+        "list at --out (a new one if there is none), signs it as the next list, and, given "
+        "--initial-peers, stores it on the swarm's DHT: every running member refuses the revoked from then "
+        "on. Give the file to sites that start later (swarm.revocations) and to the bootstrap "
+        "(--revocations).",
+    )
+    revoke.add_argument("--key", required=True, metavar="FILE", help="the authority key")
+    revoke.add_argument("--swarm", default="greenswarm", help="swarm name (default: greenswarm)")
+    revoke.add_argument("--peer-id", action="append", metavar="ID", help="revoke this peer (repeatable)")
+    revoke.add_argument(
+        "--cert", action="append", metavar="FILE", help="revoke this certificate (repeatable)"
+    )
+    revoke.add_argument("--reason", help="why (kept in the list, shown in every refusal)")
+    revoke.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="the revocation list file (read if it exists, then rewritten)",
+    )
+    revoke.add_argument(
+        "--initial-peers", nargs="+", metavar="MADDR", help="store the list on this swarm's DHT too"
+    )
     check = swsub.add_parser("check", help="verify a certificate against the authority's public key")
     check.add_argument("certificate", metavar="CERT")
     check.add_argument("--authority", required=True, metavar="FILE", help="the authority's .pub (or key)")
     check.add_argument("--swarm", help="also require this swarm name")
     check.add_argument("--peer-id", metavar="ID", help="also require this peer id")
-    for action in (init, admit, ident, check):
+    for action in (init, admit, ident, revoke, check):
         action.add_argument("--json", action="store_true", help="print the result as JSON")
     rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
@@ -519,6 +557,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                     "initial_peers": args.initial_peers,
                     "relay": not args.no_relay,
                     "authority": args.authority,
+                    "revocations": args.revocations,
                     "metrics_port": args.metrics_port,
                     "metrics_host": args.metrics_host,
                 },
@@ -593,6 +632,14 @@ def _dispatch(args: argparse.Namespace) -> int:
             plot=args.plot,
             as_json=args.json,
         )
+    if args.command == "swarm" and args.swarm_command == "revoke":
+        if args.initial_peers:
+            from greenswarm.network import check_peers as check_revoke_peers
+
+            check_revoke_peers(args.initial_peers, "--initial-peers")
+        from greenswarm.node.revocations import run_revoke
+
+        return run_revoke(args)
     if args.command == "swarm":
         from greenswarm.security.admin import run_swarm_command
 

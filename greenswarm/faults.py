@@ -21,6 +21,14 @@ Behavioural faults, ``POINT@N``:
 * ``drop-part`` -- send none of this site's parts to the first groupmate that reduces some, as
   when that stream breaks: that reducer has lost the site midway, and no member may apply the round
   (the reducer voids it for everyone, instead of averaging its slice without the site).
+* ``poison-flip`` -- send -10x this site's pseudo-gradient and claim *its* norm (an honest-looking
+  claim that screening lets through): what robust aggregation (``averaging.aggregate: trimmed-mean``)
+  is for.
+* ``claim-tokens`` -- claim a billion tokens for this round (in the gathered metadata and every part's
+  weight): ``averaging.max_tokens_per_s`` must bound the claim.
+* ``serve-forged`` -- serve a newcomer a forged global state (the parameters moved) under this site's
+  own lineage and outer step: the newcomer must refuse it against the lineage's signed records and
+  take the state from another holder.
 
 Process faults, ``ACTION:POINT@N`` with ACTION ``kill`` (SIGKILL) or ``stop`` (SIGSTOP), applied to
 the *whole site* at once -- the node, its hivemind processes and their p2pd daemons -- as when a
@@ -63,7 +71,17 @@ from greenswarm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV = "GREENSWARM_FAULTS"
-BEHAVIOURS = ("corrupt-result", "withhold-digest", "poison-nan", "poison-scale", "poison-part", "drop-part")
+BEHAVIOURS = (
+    "corrupt-result",
+    "withhold-digest",
+    "poison-nan",
+    "poison-scale",
+    "poison-part",
+    "drop-part",
+    "poison-flip",
+    "claim-tokens",
+    "serve-forged",
+)
 PROCESS_POINTS = ("step", "matchmaking", "allreduce", "checkpoint", "serve-state")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -9,9 +9,10 @@ any of them and break a swarm at run time, in the middle of a round. So:
   daemon client that re-dials an entry point, the codec registry and the p2pd flag table -- is
   done by a function in this module, and nowhere else;
 * what can only be done inside a subclass -- :class:`~greenswarm.averaging.averager.SwarmAverager`
-  overriding the averager's aggregation, all-reduce and RPC hooks, and
-  :class:`~greenswarm.averaging.exact.ExactAllReduceRunner` overriding the all-reduce runner's --
-  stays in those two classes, and every hivemind name they use is listed in :data:`INTERNALS`;
+  overriding the averager's aggregation, all-reduce and RPC hooks,
+  :class:`~greenswarm.averaging.exact.ExactAllReduceRunner` overriding the all-reduce runner's, and
+  :class:`~greenswarm.averaging.aggregation.TrimmedMeanReducer` the part reducer's accumulator --
+  stays in those classes, and every hivemind name they use is listed in :data:`INTERNALS`;
 * ``tests/test_hivemind_internals.py`` fails loudly, before anything runs, when the installed
   hivemind lacks a listed name (:func:`missing`), when greenswarm touches a private hivemind name
   that is not listed, and when one is touched outside this module and the two subclasses.
@@ -88,9 +89,17 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "accumulate_part",
         "num_parts",
         "num_parts_received",
+        # greenswarm.averaging.aggregation.TrimmedMeanReducer (a subclass): its accumulator keeps parts
+        "reset_accumulators",  # overridden: the parts' keeper in place of the running sum
+        "accumulator",  # (whose add_ and div_ the base class calls as a part arrives and completes)
+        "part_shapes",
+        "num_senders",
+        "current_part_index",
     ),
-    # greenswarm.node.rejoin: re-dial the entry points through the daemon's client
+    # greenswarm.node.rejoin: re-dial the entry points through the daemon's client; the relay pass
+    # (greenswarm.bootstrap.relay_gate, greenswarm.node.relay_pass): a unary call with raw bytes
     "hivemind.p2p.p2p_daemon:P2P": ("_client", "FORCE_REACHABILITY_MAPPING"),
+    "hivemind.p2p.p2p_daemon_bindings.p2pclient:Client": ("add_unary_handler", "call_unary_handler"),
     # greenswarm.node.supervisor: each forked node gets cross-process locks of its own
     "hivemind.utils.mpfuture:MPFuture": ("reset_backend",),
 }
@@ -125,6 +134,17 @@ def p2pd_mode(name: str | None) -> dict[str, Any]:
 async def dial(p2p: Any, peer: Any, addr: Any) -> None:
     """Connect the daemon to ``peer`` at ``addr`` (hivemind's P2P has no public dial)."""
     await p2p._client.connect(peer, [addr])
+
+
+async def add_unary_handler(p2p: Any, name: str, handler: Any) -> None:
+    """Answer unary calls to protocol ``name`` with ``handler(request: bytes, caller: PeerID) -> bytes``
+    (the caller's id is the one the transport authenticated); hivemind's public handlers want protobufs."""
+    await p2p._client.add_unary_handler(name, handler)
+
+
+async def call_unary(p2p: Any, peer: Any, name: str, data: bytes) -> bytes:
+    """Call ``peer``'s unary handler ``name`` with ``data``; its answer."""
+    return await p2p._client.call_unary_handler(peer, name, data)
 
 
 def fresh_future_locks() -> None:

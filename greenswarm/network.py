@@ -67,11 +67,18 @@ REACHABILITY: tuple[str, ...] = get_args(Reachability)
 #: Named p2pd flag sets, registered into hivemind's reachability table (see _register_p2pd_modes).
 RELAY_SERVICE_MODE = "greenswarm-relay-service"
 BEHIND_NAT_MODE = "greenswarm-behind-nat"
+#: a public peer that relays for nobody (a certified swarm's bootstrap DHT daemon: its relay is gated)
+PUBLIC_NO_RELAY_MODE = "greenswarm-public-no-relay"
 #: A relayed connection carries at most this many bytes each way and lasts at most this long before
-#: the relay resets it (p2pd's defaults: 4 GiB, 30 min). A site keeps its averaging connection for
-#: the whole run, so the bootstrap raises both far beyond a training run.
-RELAY_DATA_LIMIT = 1 << 50
-RELAY_TIME_LIMIT = "8760h"
+#: the relay resets it (p2pd's defaults: 4 GiB, 30 min, far too little for a site that keeps its
+#: averaging connection for days). Bounded all the same, so an open swarm's bootstrap is no unlimited
+#: relay for anyone: a site whose connection is reset redials it, and the round then in flight fails
+#: and is retried (docs/deploy.md). ``greenswarm bootstrap --relay-data-gib/--relay-hours`` set them.
+RELAY_DATA_GIB = 64.0
+RELAY_HOURS = 24.0
+#: relayed connections a peer may have open at once, and reservations (each site holds one)
+RELAY_MAX_CIRCUITS = 16
+RELAY_MAX_RESERVATIONS = 128
 
 
 def _register_p2pd_modes() -> None:
@@ -83,13 +90,21 @@ def _register_p2pd_modes() -> None:
     trusted relay waits ~180 s), and the bootstrap must raise the relay's per-connection data and
     time limits. Registering new names leaves hivemind's own modes untouched.
     """
-    relay = {
-        "forceReachabilityPublic": 1,
-        "relayDataLimit": RELAY_DATA_LIMIT,
-        "relayTimeLimit": RELAY_TIME_LIMIT,
-    }
-    add_p2pd_mode(RELAY_SERVICE_MODE, relay)
+    add_p2pd_mode(RELAY_SERVICE_MODE, relay_flags(RELAY_DATA_GIB, RELAY_HOURS))
     add_p2pd_mode(BEHIND_NAT_MODE, {"forceReachabilityPrivate": 1, "relayDiscovery": 0})
+    add_p2pd_mode(PUBLIC_NO_RELAY_MODE, {"forceReachabilityPublic": 1, "relayService": 0})
+
+
+def relay_flags(data_gib: float, hours: float) -> dict[str, Any]:
+    """p2pd's flags for a relay whose circuits carry at most ``data_gib`` GiB each way and last at most
+    ``hours`` hours (see :data:`RELAY_DATA_GIB`)."""
+    return {
+        "forceReachabilityPublic": 1,
+        "relayDataLimit": int(data_gib * (1 << 30)),
+        "relayTimeLimit": f"{hours:g}h",
+        "relayMaxCircuits": RELAY_MAX_CIRCUITS,
+        "relayMaxReservations": RELAY_MAX_RESERVATIONS,
+    }
 
 
 @dataclass
@@ -108,6 +123,9 @@ class SwarmConfig:
     public key. The node checks at start that the certificate is valid for this swarm, this site's
     name and region, and the peer id of ``identity`` (so both need a fixed identity file).
 
+    ``revocations``: a revocation list file from the operator (``greenswarm swarm revoke``): members
+    it names are refused from the start; newer lists reach a running site through the DHT.
+
     ``join_retry_s``: seconds to wait before each new try when no initial peer answers
     (:data:`JOIN_RETRY_DELAYS_S`, 15 s in all); a site whose bootstrap restarts slowly can wait longer,
     a script that wants to know at once shorter (``[]``: one try).
@@ -121,6 +139,7 @@ class SwarmConfig:
     reachability: Reachability = "auto"
     certificate: str | None = None  # this site's membership certificate (greenswarm swarm admit)
     authority: str | None = None  # the swarm authority's public key (.pub) that signed it
+    revocations: str | None = None  # the authority's revocation list (greenswarm swarm revoke), if given
     join_retry_s: list[float] = field(default_factory=lambda: list(JOIN_RETRY_DELAYS_S))
 
     def validate(self) -> None:
@@ -129,6 +148,11 @@ class SwarmConfig:
         if (self.certificate is None) != (self.authority is None):
             missing = "authority" if self.authority is None else "certificate"
             raise ConfigError("certificate and authority go together: set both or neither", field=missing)
+        if self.revocations and not self.authority:
+            raise ConfigError(
+                "a revocation list is the authority's: it needs swarm.authority to be checked",
+                field="revocations",
+            )
         if self.certificate and not self.identity:
             raise ConfigError(
                 "a certificate binds one peer id, so the site needs a fixed identity file (swarm.identity)",
@@ -219,9 +243,20 @@ def relay_options(initial_peers: list[str]) -> dict[str, Any]:
     }
 
 
-def relay_service_options() -> dict[str, Any]:
-    """The DHT options of a bootstrap peer that relays for sites behind NAT."""
-    return {"force_reachability": RELAY_SERVICE_MODE}
+def relay_service_options(data_gib: float = RELAY_DATA_GIB, hours: float = RELAY_HOURS) -> dict[str, Any]:
+    """The p2p options of a bootstrap peer (or its relay daemon) that relays for sites behind NAT."""
+    _register_p2pd_modes()
+    if (data_gib, hours) == (RELAY_DATA_GIB, RELAY_HOURS):
+        return {"force_reachability": RELAY_SERVICE_MODE}
+    name = f"{RELAY_SERVICE_MODE}:{data_gib:g}GiB:{hours:g}h"
+    add_p2pd_mode(name, relay_flags(data_gib, hours))
+    return {"force_reachability": name}
+
+
+def no_relay_options() -> dict[str, Any]:
+    """The DHT options of a public bootstrap peer that relays for nobody itself (its relay is gated)."""
+    _register_p2pd_modes()
+    return {"force_reachability": PUBLIC_NO_RELAY_MODE}
 
 
 def with_p2pd_metrics(options: dict[str, Any], addr: str) -> dict[str, Any]:

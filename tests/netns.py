@@ -14,11 +14,13 @@ those: a topology whose maker is alive belongs to a run going on beside this one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,3 +186,22 @@ def _maker_alive(tag: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def topology_for_test(n_sites: int) -> Iterator[Topology]:
+    """A fresh topology of ``n_sites`` for one test, removed afterwards; the test skips with the reason
+    where namespaces cannot be made, and fails instead where ``GREENSWARM_REQUIRE_NAT=1``."""
+    import pytest
+
+    reason = available()
+    if reason:
+        if os.environ.get("GREENSWARM_REQUIRE_NAT") == "1":
+            pytest.fail(f"NAT tests are required here but cannot run: {reason}")
+        pytest.skip(reason)
+    sweep()
+    topo = make_topology(n_sites)
+    try:
+        yield topo
+    finally:
+        topo.close()

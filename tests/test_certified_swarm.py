@@ -3,7 +3,9 @@
 Three admitted sites train together; one of them sends a NaN update in one round and a 1000x one in
 another; an uncertified site that knows the bootstrap address runs beside them. The admitted sites
 must refuse both poisoned updates and say so (logs, round logs, ``greenswarm progress``), keep
-finite parameters, and never count the outsider as a member of anything.
+finite parameters, and never count the outsider as a member of anything. Another member claims a
+billion tokens in one round (issue #19): with ``averaging.max_tokens_per_s`` every member counts the
+claim at that rate over the round's interval, and says so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from greenswarm.node.round_log import read_rounds
 from greenswarm.security.certificates import create_authority, issue
 from tests.conftest import ProgressWatch, Swarm, site_config, wait_until, write_trace
 
-pytestmark = [pytest.mark.swarm, pytest.mark.security]
+pytestmark = [pytest.mark.swarm, pytest.mark.security, pytest.mark.hardening]
+MAX_TOKENS_PER_S = 1e5  # far above what a tiny site on this machine trains; far below 10^9 a round
 
 SPEEDUP, SYNC_S, MINUTES = 120.0, 600.0, 50
 MEMBERS = ("a", "b", "p")
@@ -43,10 +46,12 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
             swarm_section.update(certificate=str(tmp_path / f"{name}.cert"), authority=f"{authority}.pub")
         cfg = site_config(
             name, "R", trace, peers, tmp_path / name, speedup=SPEEDUP, start_file=start_file, sync_s=SYNC_S,
-            shard=i, shards=4, swarm=swarm_section,
+            shard=i, shards=4, swarm=swarm_section, averaging={"max_tokens_per_s": MAX_TOKENS_PER_S},
         )  # fmt: skip
-        # p poisons its first two all-reduces: NaN, then 1000x (each while claiming the clean norm)
-        faults = {"GREENSWARM_FAULTS": "poison-nan@1,poison-scale@2"} if name == "p" else None
+        # p poisons its first two all-reduces: NaN, then 1000x (each while claiming the clean norm); b
+        # claims a billion tokens in its third
+        faults = {"p": "poison-nan@1,poison-scale@2", "b": "claim-tokens@3"}
+        faults = {"GREENSWARM_FAULTS": faults[name]} if name in faults else None
         swarm.node(name, swarm.write_config(name, cfg), env=faults)
     # while they run, greenswarm progress (with the authority) shows the members, a refusal, no
     # outsider. One watching reader, started while the sites start: the refusals may come only in the
@@ -75,6 +80,12 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
     assert sum(s["refused_updates"] for s in honest) >= 1, [s["refused_updates"] for s in honest]
     logs = swarm.log("a") + swarm.log("b")
     assert "refused the update of p" in logs
+    # b's claim of a billion tokens counted as MAX_TOKENS_PER_S x the round's wall seconds, at a and p
+    assert "fault injected: claim-tokens" in swarm.log("b")
+    bounded = f"bounded the weight of b: it claimed 1,000,000,000 tokens in a {SYNC_S / SPEEDUP:g} s round"
+    assert bounded in swarm.log("a") and bounded in swarm.log("p"), swarm.log("a")[-3000:]
+    clipped = [e for n in ("a", "p") for e in read_rounds(tmp_path / n / "rounds.jsonl") if e.get("clipped")]
+    assert clipped and all(set(e["clipped"]) == {"b"} for e in clipped), clipped
     for name in MEMBERS:
         for entry in read_rounds(tmp_path / name / "rounds.jsonl"):
             assert "x" not in entry["members"], entry

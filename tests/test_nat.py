@@ -10,7 +10,6 @@ elsewhere, required where ``GREENSWARM_REQUIRE_NAT=1`` (``.ci/run``).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -30,17 +29,8 @@ SPEEDUP, SYNC_S, TRACE_MIN = 60.0, 600.0, 64
 
 @pytest.fixture
 def topology() -> Iterator[netns.Topology]:
-    reason = netns.available()
-    if reason:
-        if os.environ.get("GREENSWARM_REQUIRE_NAT") == "1":
-            pytest.fail(f"NAT tests are required here but cannot run: {reason}")
-        pytest.skip(reason)
-    netns.sweep()
-    topo = netns.make_topology(3)
-    try:
+    with netns.topology_for_test(3) as topo:
         yield topo
-    finally:
-        topo.close()
 
 
 def _bootstrap(swarm: Swarm, topo: netns.Topology) -> list[str]:

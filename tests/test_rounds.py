@@ -406,6 +406,7 @@ def test_a_failed_attempt_leaves_the_update_and_a_retry_codes_it_afresh(
     avg = object.__new__(SwarmAverager)  # the hook's state only: no process, no DHT
     avg._parent_pid = -1  # (hivemind's __del__ stops a process it started: there is none)
     avg._cfg, avg._admission, avg._faults = AveragingConfig(wire="int8"), None, FaultPlan()
+    avg._rates = {}  # (no certificate bounds a weight here)
     avg._residual, avg._reports, avg.prefix, avg._p2p = torch.zeros(N * 64), {}, "test", None
     avg.dht, avg._state_updated = SimpleNamespace(peer_id=me), threading.Event()
     offer = wire_offer("int8", None, 10.0)

@@ -18,7 +18,9 @@ What it adds to hivemind, and why:
 * in a certified swarm (``admission``) only members take part: a join request, a group and a state
   download from a peer without a valid membership certificate are refused (docs/security.md);
 * poisoned updates (NaN/Inf, or a norm far outside the group's) are refused before they are
-  averaged (:mod:`greenswarm.averaging.screening`).
+  averaged (:mod:`greenswarm.averaging.screening`); claimed weights are bounded, and the group may
+  combine updates by a trimmed mean instead of the mean (:mod:`greenswarm.averaging.aggregation`):
+  every member must configure both alike, or the group is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from greenswarm import hivemind_internals as seam
+from greenswarm.averaging.aggregation import bounded_weights, claimed_weight
 from greenswarm.averaging.codecs import wire_format
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.exact import ExactAllReduceRunner
@@ -86,6 +89,7 @@ class SwarmAverager(DecentralizedAverager):
         # download the state without having shown a certificate in a group yet
         self._members = members
         self._certified: dict[str, float] = {}  # peer -> certificate expiry, from checked certificates
+        self._rates: dict[str, float | None] = {}  # peer -> its certificate's max tokens/s (a round's group)
         self._refusals = RefusalLog(log)  # an outsider's flood of requests must not flood the log
         self._state_provider = state_provider
         self._faults = faults or FaultPlan()  # copied into the averager process by the fork
@@ -133,6 +137,9 @@ class SwarmAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         self._faults.hit("serve-state")  # a newcomer is downloading this site's state right now
         metadata, tensors = self._state_provider()
+        if self._faults.fires("serve-forged"):
+            log.warning("fault injected: serve-forged (this site serves a forged global state)")
+            tensors = [tensors[0] + 0.01, *tensors[1:]]
         return metadata, tensors, None
 
     # ---- one round ----
@@ -146,11 +153,14 @@ class SwarmAverager(DecentralizedAverager):
         expected_size: int,
         gather: dict[str, Any],
         matchmaking_s: float | None = None,
+        interval_s: float | None = None,
     ) -> RoundOutcome:
         """All-reduce ``delta`` (weighted) with a group of sites on ``lineage``; ``round_index`` is this
         site's round slot (the group's slot is the latest of its members', see :class:`RoundOutcome`).
         ``matchmaking_s``: how long this round looks for its group (``averaging.matchmaking_s`` if None);
-        it stays open to latecomers for up to twice that."""
+        it stays open to latecomers for up to twice that. ``interval_s``: the round interval in wall
+        seconds, over which claimed tokens are bounded (``averaging.sync_interval_s`` if None)."""
+        interval_s = self._cfg.sync_interval_s if interval_s is None else interval_s
         matchmaking_s = self._cfg.matchmaking_s if matchmaking_s is None else matchmaking_s
         started = time.monotonic()
         control = None
@@ -161,13 +171,26 @@ class SwarmAverager(DecentralizedAverager):
                 bits=group_bits(lineage),
                 target=max(2, min(expected_size, self._cfg.max_group_size)),
             )
+            if self._faults.fires("poison-flip"):
+                log.warning(
+                    "fault injected: poison-flip (this site sends -10x its update, claiming its norm)"
+                )
+                delta = -10.0 * delta
             norm = update_norm(delta)  # the claim every reducer holds this site's parts to
             with self.get_tensors() as (buffer,):
                 buffer.copy_(delta)
             offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
             shown = {"certificate": self._admission.certificate} if self._admission is not None else {}
+            rules = {**self._cfg.rules(), "interval_s": float(interval_s)}
             control = self.step(
-                gather={**gather, **shown, "slot": round_index, "wire_offer": offer, "norm": norm},
+                gather={
+                    **gather,
+                    **shown,
+                    "slot": round_index,
+                    "wire_offer": offer,
+                    "norm": norm,
+                    "rules": rules,
+                },
                 weight=max(float(weight), 1e-6),
                 scheduled_time=get_dht_time() + matchmaking_s,
                 timeout=2 * matchmaking_s,
@@ -194,7 +217,8 @@ class SwarmAverager(DecentralizedAverager):
             return self._failed("averaged vector has NaN/Inf", started, report, round_index)
         gathered = report.gathered
         slot, admitted, refused = self._group_of(gathered, round_index)
-        poisoned = within_claims(averaged, [float(gathered[peer]["norm"]) for peer in admitted])
+        claims = [float(gathered[peer]["norm"]) for peer in admitted]
+        poisoned = within_claims(averaged, claims, coordinatewise=self._cfg.aggregate == "trimmed-mean")
         if poisoned is not None:
             return self._failed(poisoned, started, report, round_index)
         refused.update(report.refused)
@@ -210,6 +234,7 @@ class SwarmAverager(DecentralizedAverager):
             wire=report.wire,  # as the averager process chose it for the group
             residual=self._residual.clone(),
             allreduce_s=report.allreduce_s(),
+            clipped=dict(report.clipped),
             report=report,
         )
 
@@ -243,6 +268,7 @@ class SwarmAverager(DecentralizedAverager):
         failed.slot, failed.members, _ = self._group_of(report.gathered, round_index)
         failed.gathered = dict(report.gathered)
         failed.refused = dict(report.refused)  # whose update a reducer refused (a void round)
+        failed.clipped = dict(report.clipped)
         if report.coded:  # what went on the wire, had the others applied it
             failed.residual = self._residual.clone()
         return failed
@@ -298,8 +324,9 @@ class SwarmAverager(DecentralizedAverager):
         report.gathered = {peer: user for peer, user in users if user is not None}
         try:
             self._check_members(users)
+            check_rules(users, str(self.peer_id))
             fmt = choose_wire(offers_of(users), sum(t.numel() for t in tensors))
-        except (WireMismatch, CertificateError) as e:
+        except (WireMismatch, CertificateError, RulesMismatch) as e:
             log.error("refusing to average with this group: %s", e)
             report.refusal = f"refused a group: {e}"
             raise
@@ -314,6 +341,8 @@ class SwarmAverager(DecentralizedAverager):
         report.coded = True
         kwargs["compression"] = poison(coded, fmt.compression, self._faults)
         runner = ExactAllReduceRunner(
+            aggregate=self._cfg.aggregate,
+            trim=self._cfg.trim,
             p2p=seam.averager_p2p(self),
             servicer_type=type(self),
             prefix=self.prefix,
@@ -361,6 +390,7 @@ class SwarmAverager(DecentralizedAverager):
             certificate = user.get("certificate") if isinstance(user, dict) else None
             membership = self._admission.check(certificate, peer)
             self._certified[peer] = membership.expires
+            self._rates[peer] = membership.max_tokens_per_s
 
     def _screened(
         self, group_info: Any, users: list[tuple[str, Any]], fractions: Sequence[float], report: RoundReport
@@ -385,11 +415,22 @@ class SwarmAverager(DecentralizedAverager):
         kept = [0.0 if peer in refused else float(f) for peer, f in zip(peers, fractions, strict=True)]
         if not sum(kept):
             raise ValueError("no member is left to reduce the group's parts")
+        admitted = {peer: claims[peer] for peer in peers if peer not in refused}
+        rules = claims.get(me, {}).get("rules") if isinstance(claims.get(me), dict) else None
+        rules = rules if isinstance(rules, dict) else {}  # (alike in every member: see check_rules)
+        weights, clipped = bounded_weights(admitted, rules, float(rules.get("interval_s", 0.0)), self._rates)
+        for peer, why in clipped.items():
+            log.warning("bounding the weight of %s: %s", _name(peer, claims.get(peer)), why)
+        report.clipped = clipped
         return {
             "modes": tuple(modes),
             "peer_fractions": tuple(f / sum(kept) for f in kept),
             "claims": {
                 pid: float(claims[str(pid)]["norm"]) for pid in group_info.peer_ids if str(pid) not in refused
+            },
+            "weights": {pid: weights[str(pid)] for pid in group_info.peer_ids if str(pid) in weights},
+            "claimed": {
+                pid: claimed_weight(admitted[str(pid)]) for pid in group_info.peer_ids if str(pid) in weights
             },
         }
 
@@ -432,10 +473,27 @@ class SwarmAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    def apply_revocations(self, blob: bytes) -> None:
+        """Apply a newer revocation list in the averager process too (joins, groups, state serving)."""
+        if self._admission is not None:
+            self._call("_apply_revocations", blob=blob)
+
+    async def _apply_revocations(self, blob: bytes, future: MPFuture) -> None:
+        """Runs in the averager process: the list in force here; a revoked peer's past checks forgotten."""
+        try:
+            self._admission.revoke(blob)
+            for peer in [p for p in self._certified if self._admission.revoked(p) is not None]:
+                del self._certified[peer]
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
     async def _is_member(self, peer: str) -> bool:
         """Whether ``peer`` showed a valid certificate in a group or join request, or published a
         record (which the DHT accepts from certified members only). A newcomer's first record may
-        still be on its way, so the records are read again for a few seconds."""
+        still be on its way, so the records are read again for a few seconds. A revoked peer is none."""
+        if self._admission.revoked(peer) is not None:
+            return False
         for attempt in range(4):
             if self._certified.get(peer, 0.0) > time.time():
                 return True
@@ -483,6 +541,26 @@ class SwarmAverager(DecentralizedAverager):
     def _call(self, method: str, wait_s: float = 30.0, **kwargs: Any) -> Any:
         """Run ``method`` in the averager process and wait for its result."""
         return seam.call_averager(self, method, wait_s, **kwargs)
+
+
+class RulesMismatch(ValueError):
+    """A groupmate combines updates by other rules (``averaging.aggregate``, ``trim``,
+    ``max_tokens_per_s``, the round interval): averaged together, each reducer would weigh its slice
+    by its own rules."""
+
+
+def check_rules(users: list[tuple[str, Any]], me: str) -> None:
+    """Raise :class:`RulesMismatch` unless every member gathered the rules member ``me`` gathered (the
+    round interval included: claimed tokens are bounded over it)."""
+    gathered = {peer: user.get("rules") if isinstance(user, dict) else None for peer, user in users}
+    mine = gathered.get(me)
+    for peer, user in users:
+        if gathered[peer] != mine:
+            raise RulesMismatch(
+                f"{_name(peer, user)} combines updates by {gathered[peer]!r}, this site by {mine!r}: every "
+                "member of a swarm must set averaging.aggregate, trim and max_tokens_per_s alike (and the "
+                "same round interval)"
+            )
 
 
 def _name(peer: str, user: Any) -> str:

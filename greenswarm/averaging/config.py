@@ -13,6 +13,9 @@ OUTER_KINDS: tuple[str, ...] = get_args(OuterKind)
 #: wire formats (greenswarm.averaging.codecs), or "auto": chosen per round from the measured link
 WireCodec = Literal["auto", "fp32", "fp16", "scaled-fp16", "bf16", "int8", "int8-zstd", "int7-zstd"]
 WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)
+#: how a group's pseudo-gradients are combined (greenswarm.averaging.aggregation)
+Aggregate = Literal["mean", "trimmed-mean"]
+AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 
 #: averaging timeouts for sites on one machine (the demo, tests): rounds that last a few wall seconds
 LOOPBACK_TIMEOUTS = {
@@ -62,6 +65,15 @@ class AveragingConfig:
     default, 100, leaves room for sites whose rounds hold very different amounts of training (the
     demo's sites, sharing two cores, differ up to 26x); a swarm of like sites can set 10. See
     docs/security.md.
+    ``aggregate``: ``mean`` (the updates weighted by the tokens behind them) or ``trimmed-mean``
+    (coordinate by coordinate, the ``trim`` share of the largest and of the smallest values left out,
+    the rest averaged with equal weights: one member of four cannot move a value past the others'),
+    at its cost in quality and compute (docs/security.md). ``max_tokens_per_s``: the most tokens a
+    second any member may claim to have trained; a claim above it times the round's interval (wall
+    seconds) is clipped to that, and logged, so no member outweighs the others by saying it worked
+    more (a member's certificate may set a lower figure of its own). Every member of a group must
+    configure the same ``aggregate``, ``trim`` and ``max_tokens_per_s``: a group that differs is
+    refused.
     """
 
     sync_interval_s: float = 600.0
@@ -81,6 +93,13 @@ class AveragingConfig:
     agreement_timeout_s: float = 15.0
     max_group_size: int = 64
     max_norm_ratio: float = 100.0
+    aggregate: Aggregate = "mean"
+    trim: float = 0.25
+    max_tokens_per_s: float | None = None
+
+    def rules(self) -> dict[str, object]:
+        """What every member of a group must configure alike (gathered and compared each round)."""
+        return {"aggregate": self.aggregate, "trim": self.trim, "max_tokens_per_s": self.max_tokens_per_s}
 
     def longest_round_s(self) -> float:
         """The longest one round can hold a node when every timeout fires: matchmaking (the step's
@@ -133,3 +152,12 @@ class AveragingConfig:
             )
         if self.max_group_size < 2:
             raise ConfigError(f"must be >= 2, got {self.max_group_size}", field="max_group_size")
+        if self.aggregate not in AGGREGATES:
+            raise ConfigError(
+                f"must be one of {', '.join(AGGREGATES)}, got {self.aggregate!r}", field="aggregate"
+            )
+        _positive(self.trim, "trim", allow_zero=True)
+        if not self.trim < 0.5:
+            raise ConfigError(f"must be < 0.5 (each side), got {self.trim!r}", field="trim")
+        if self.max_tokens_per_s is not None:
+            _positive(self.max_tokens_per_s, "max_tokens_per_s")

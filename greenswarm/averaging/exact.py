@@ -24,6 +24,11 @@ own values. Two things follow, and both make sites drift apart silently:
   were in) voids its slice the same way, with a message naming the lost sender, instead of finishing
   the slice without it: the others would otherwise apply an average holding part of that sender's
   update, and the sender (whose own round failed) could not tell which part;
+* a reducer weighs each sender's parts by the weight every member counted for it from the gathered
+  claims (:func:`~greenswarm.averaging.aggregation.bounded_weights`), not by what a part's message
+  says; a message that says more than the sender claimed is refused like a poisoned part. With
+  ``averaging.aggregate: trimmed-mean`` the reducer is a
+  :class:`~greenswarm.averaging.aggregation.TrimmedMeanReducer`;
 * the sender closes each reducer's stream once it holds the parts it expects, and the reducer keeps
   the stream open until then. hivemind's reducer closes its end right after its last reply, and the
   p2p daemon then now and then resets the stream before that reply is delivered (roughly one stream
@@ -50,6 +55,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
+from greenswarm.averaging.aggregation import TrimmedMeanReducer, weight_lie
 from greenswarm.averaging.screening import screen_part
 from greenswarm.faults import FaultPlan
 
@@ -71,10 +77,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         compression: CompressionBase,
         faults: FaultPlan | None = None,
         claims: dict | None = None,
+        weights: dict | None = None,
+        claimed: dict | None = None,
+        aggregate: str = "mean",
+        trim: float = 0.0,
         on_refused: Callable[[str, str], None] | None = None,
         **kwargs,
     ):
         super().__init__(compression=compression, **kwargs)
+        if aggregate == "trimmed-mean":
+            reducer = self.tensor_part_reducer
+            self.tensor_part_reducer = TrimmedMeanReducer(reducer.part_shapes, reducer.num_senders, trim)
+        # each sender's weight as every member counted it (bounded), and as it claimed it (None: the
+        # messages' own weights, unchecked, as hivemind does)
+        self._weights = weights
+        self._claimed = claimed or {}
         self._codec = compression
         self._faults = faults or FaultPlan()
         # each sender's claimed update norm (see greenswarm.averaging.screening); parts are checked
@@ -140,7 +157,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            weight = self.weight
+            weight = (
+                self._weights.get(self.peer_id, self.weight) if self._weights is not None else self.weight
+            )
             refusal = screen_part(part, self._claims.get(self.peer_id))
             if refusal is not None:  # this site reduces the others' parts, but adds nothing of its own
                 self._own_refusal = refusal
@@ -243,6 +262,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             async for message in stream:
                 part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
                 refusal = screen_part(part, self._claims.get(sender))
+                weight = message.weight
+                if refusal is None and self._weights is not None:
+                    refusal = weight_lie(message.weight, self._claimed.get(sender, 0.0))
+                    weight = self._weights.get(sender, 0.0)
                 if refusal is not None:  # never accumulated; and nobody gets this slice any more
                     self._on_refused(str(sender), refusal)
                     self._voided(sender)
@@ -250,7 +273,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, part, weight=message.weight
+                        sender_index, part_index, part, weight=weight
                     )
                 except BannedException:  # the sender was banned meanwhile: it no longer gets results
                     break

@@ -29,6 +29,7 @@ class RoundReport:
     seconds: float = 0.0  # coding and the all-reduce (0: the all-reduce did not complete)
     wire_bytes: float = 0.0  # what this site sent and received, nominally
     refused: dict[str, str] = field(default_factory=dict)  # groupmates whose parts this reducer refused
+    clipped: dict[str, str] = field(default_factory=dict)  # members whose claimed tokens counted less
     refusal: str = ""  # why this site refused the group, or why the group refused this site's update
     coded: bool = False  # this site's update was coded for the wire (its residual is this round's)
 
@@ -70,4 +71,5 @@ class RoundOutcome:
     allreduce_s: float | None = None  # time in the all-reduce itself (None: no group formed)
     slot: int = -1  # the group's round slot: the latest of its members' (all of them compute the same)
     refused: dict[str, str] = field(default_factory=dict)  # peer -> why its update was not averaged in
+    clipped: dict[str, str] = field(default_factory=dict)  # peer -> how its claimed weight was bounded
     report: RoundReport | None = None  # what the averager process saw (None: no group formed)

@@ -106,19 +106,24 @@ def update_norm(update: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(update.float()))
 
 
-def within_claims(averaged: torch.Tensor, claims: list[float]) -> str | None:
+def within_claims(averaged: torch.Tensor, claims: list[float], coordinatewise: bool = False) -> str | None:
     """Why a group's averaged update cannot be an average of the admitted claims, or None.
 
     An average is a convex combination, so its norm is at most the largest member's: a reducer that
-    returned a poisoned part (a member may reduce a slice for the whole group) shows up here.
+    returned a poisoned part (a member may reduce a slice for the whole group) shows up here. A
+    ``coordinatewise`` aggregate (the trimmed mean) combines each coordinate with weights of its own,
+    so its norm can pass the largest member's; each of its values lies between the members' values
+    there, so it is at most the root of the members' squared norms summed.
     """
     if not claims:
         return None
     norm = update_norm(averaged)
-    limit = max(claims) * (1 + CLAIM_TOLERANCE) + 1e-12
+    bound = math.sqrt(sum(c * c for c in claims)) if coordinatewise else max(claims)
+    limit = bound * (1 + CLAIM_TOLERANCE) + 1e-12
     if not norm <= limit:
+        which = "the members' together" if coordinatewise else "any admitted member's"
         return (
-            f"the averaged update has norm {norm:.3g}, more than any admitted member's ({max(claims):.3g}): "
+            f"the averaged update has norm {norm:.3g}, more than {which} ({bound:.3g}): "
             "a reducer returned a poisoned part"
         )
     return None

@@ -106,6 +106,7 @@ class RunningBootstrap(Protocol):
     peer_id: str
     dht: Any  # hivemind's DHT
     p2pd_metrics: str | None  # where its daemon serves libp2p's metrics
+    gated: Any  # its members-only relay (bootstrap/relay_gate.py), None in an open swarm
 
 
 class BootstrapCollector(Collector):
@@ -140,3 +141,15 @@ class BootstrapCollector(Collector):
         )
         if samples is not None:
             yield from relay_metrics(samples)
+        gated = getattr(peer, "gated", None)
+        if gated is not None:  # a certified swarm: who the gate in front of the relay let in, and not
+            yield GaugeMetricFamily(
+                "greenswarm_bootstrap_relay_passes",
+                "Members holding a relay pass now",
+                value=gated.gate.held(),
+            )
+            yield CounterMetricFamily(
+                "greenswarm_bootstrap_relay_refused",
+                "Connections to the members-only relay refused at its gate (no pass: not a member)",
+                value=gated.gate.refused,
+            )

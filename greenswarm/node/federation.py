@@ -44,6 +44,7 @@ class Averager(Protocol):
         expected_size: int,
         gather: dict[str, Any],
         matchmaking_s: float | None = None,
+        interval_s: float | None = None,
     ) -> RoundOutcome: ...
 
 
@@ -121,8 +122,11 @@ class Federation:
         faults: FaultPlan | None = None,
         started: float | None = None,
         log: logging.Logger | None = None,
+        interval_s: float | None = None,
     ):
         self.averager, self.digests, self.cfg = averager, digests, cfg
+        # the round interval in wall seconds (a replay runs faster): claimed tokens are bounded over it
+        self.interval_s = cfg.sync_interval_s if interval_s is None else interval_s
         self.site, self.peer_id = site, peer_id
         self.faults = faults or FaultPlan()
         self.started = time.monotonic() if started is None else started
@@ -149,6 +153,11 @@ class Federation:
         long to look for the group (``averaging.matchmaking_s`` if None)."""
         if not partners:
             return Failed(slot, "no other site is in a window any more", RoundOutcome(False))
+        if self.faults.fires("claim-tokens"):
+            self.log.warning(
+                "fault injected: claim-tokens (this site claims a billion tokens, not %d)", tokens
+            )
+            tokens = 10**9
         outcome = self.averager.average(
             self._with_feedback(delta),
             weight=tokens,
@@ -162,11 +171,14 @@ class Federation:
                 "recent": state.recent_update_norm,  # the scale the group screens updates against
             },
             matchmaking_s=matchmaking_s,
+            interval_s=self.interval_s,
         )
         if outcome.members:
             slot = outcome.slot  # the group's slot: names the round the same for every member
         for peer, why in outcome.refused.items():
             self._note_refusal(outcome, slot, peer, why)
+        for peer, why in outcome.clipped.items():
+            self.log.warning("round %d: bounded the weight of %s: %s", slot, site_of(outcome, peer), why)
         if not outcome.ok:  # (a round a reducer voided still names whose update it refused)
             return Failed(slot, outcome.reason, outcome, refused=self._refused(outcome))
         self._count(outcome)

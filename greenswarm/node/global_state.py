@@ -43,6 +43,8 @@ class GlobalState:
         self.ancestors: deque[str] = deque(maxlen=ANCESTORS)  # earlier lineages, oldest first
         self.lock = threading.Lock()
         self._digest: str | None = None  # of the parameters as they are: apply and adopt forget it
+        # (position, digest of parameters and momentum): what the site's record attests it serves there
+        self._attested: tuple[tuple[int, str, int], str] | None = None
 
     @property
     def params(self) -> torch.Tensor:
@@ -89,16 +91,32 @@ class GlobalState:
                 self._digest = self.outer.digest()
             return self._digest
 
+    def attestation(self) -> tuple[tuple[int, str, int], str]:
+        """(outer step, lineage, round slot) and the digest of exactly what this site serves there
+        (parameters and outer momentum, :func:`~greenswarm.averaging.agreement.state_digest`): what its
+        signed progress record attests, so that a newcomer can check a downloaded state against the
+        records of the state's holders (:func:`~greenswarm.node.state_sync.attested`). Hashed once
+        per state (twice the model's bytes), not at every record."""
+        cached = self._attested
+        if cached is not None and cached[0] == self._position:
+            return cached
+        with self.lock:
+            if self._attested is None or self._attested[0] != self._position:
+                self._attested = (self._position, state_digest(self.outer.state_tensors()))
+            return self._attested
+
     def hash_unlocked(self) -> None:
-        """Hash the state into the cache without holding the lock (a ~1 B-parameter state takes
+        """Hash the state into the caches without holding the lock (a ~1 B-parameter state takes
         seconds, while a groupmate may be waiting on the lock to download it). For the one thread that
-        moves the state at this moment (an overlapped round's, right after its step): the hash is
+        moves the state at this moment (an overlapped round's, right after its step): the hashes are
         kept only if nothing moved the state meanwhile."""
         where = self._position
         digest = self.outer.digest()
+        attested = state_digest(self.outer.state_tensors())
         with self.lock:
-            if self._digest is None and self._position == where:
-                self._digest = digest
+            if self._position == where:
+                self._digest = self._digest if self._digest is not None else digest
+                self._attested = (where, attested)
 
     def pseudo_gradient(self, local: torch.Tensor) -> torch.Tensor:
         """``global - local``: what local training moved since the last outer step, written over
@@ -114,7 +132,7 @@ class GlobalState:
     def apply(self, averaged: torch.Tensor, slot: int, members: Sequence[str]) -> None:
         """Take the outer step ``averaged`` that ``members`` (peer ids) agreed on in round ``slot``."""
         with self.lock:
-            self._digest = None
+            self._digest = self._attested = None
             self.outer.step(averaged)
             self.recent_update_norm = update_norm(averaged)
             outer_round, lineage, _ = self._position
@@ -129,7 +147,7 @@ class GlobalState:
         """Make a state this site's: a peer's served one (see :meth:`served`), or a checkpoint's
         tensors with its :meth:`position`."""
         with self.lock:
-            self._digest = None
+            self._digest = self._attested = None
             self.outer.load_state_tensors(tensors)
             self._position = (int(meta["outer_round"]), str(meta["lineage"]), int(meta["round_index"]))
             # a peer running an older greenswarm serves none, an older checkpoint keeps none

@@ -24,8 +24,11 @@ from greenswarm.node.config import SiteConfig
 from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressPublisher, live_members, record_validators
 from greenswarm.node.rejoin import EntryWatch
+from greenswarm.node.relay_pass import relays_for
+from greenswarm.node.revocations import RevocationWatch
 from greenswarm.node.swarm_view import SwarmView, describe_model
 from greenswarm.security.admission import Admission
+from greenswarm.security.certificates import CertificateError
 from greenswarm.timefmt import utc_minute
 
 #: wall seconds beyond a round's timeouts that its checkpoint and evaluation may take while the site's
@@ -46,6 +49,7 @@ class SwarmParts:
     publisher: ProgressPublisher
     reachability: str  # "direct" or "relay"
     admission: Admission | None = None  # who may train with this site (None: anyone)
+    revocations: RevocationWatch | None = None  # the swarm's revocation lists (None: an open swarm)
 
     def connections(self, timeout_s: float = 2.0) -> dict[str, list[str]]:
         """The peers this site's p2p daemon is connected to now, with the addresses it uses for each:
@@ -64,8 +68,9 @@ class SwarmParts:
 
     def close(self, log: logging.Logger) -> None:
         """Stop every part, records first and the DHT last; report failures and go on."""
-        for part in (self.publisher, self.view):
-            _quietly(part.close, part, log)
+        for part in (self.publisher, self.view, self.revocations):
+            if part is not None:
+                _quietly(part.close, part, log)
         for part in (self.averager, self.dht):
             _quietly(part.shutdown, part, log)
 
@@ -91,6 +96,9 @@ def join_swarm(
     if swarm.certificate:
         membership = check_membership(cfg, log)
         admission = Admission.from_files(swarm.name, swarm.authority, swarm.certificate)
+        admission.load_revocations(swarm.revocations)
+        if (why := admission.revoked(membership.peer_id, admission.certificate)) is not None:
+            raise CertificateError(f"{swarm.certificate}: this site is no longer a member: {why}")
         seed = identity_seed(swarm.identity)
     validators = record_validators(swarm.name, admission, seed)
     reachability, why = resolve_reachability(swarm)
@@ -98,8 +106,12 @@ def join_swarm(
     reach: dict[str, Any] = {"announce_maddrs": swarm.announce_maddrs}
     if reachability == "relay":
         # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
-        # it for DHT queries cheaply, so it does not serve them)
-        reach = {**relay_options(swarm.initial_peers), "client_mode": True}
+        # it for DHT queries cheaply, so it does not serve them). A certified swarm's relay lets in
+        # members only: the pass comes first (node/relay_pass.py)
+        relays = swarm.initial_peers
+        if admission is not None:
+            relays = relays_for(swarm.initial_peers, swarm.identity, admission.certificate)
+        reach = {**relay_options(relays), "client_mode": True}
     dht = start_dht(
         swarm.initial_peers,
         host_maddrs=swarm.host_maddrs,
@@ -122,8 +134,15 @@ def join_swarm(
             members=functools.partial(live_members, dht, swarm.name),
         )
         started.append((averager, "shutdown"))
-        view = SwarmView(dht, swarm.name, peer_id, cfg.node.swarm_poll_s, model.to_wire() if model else None)
+        revoked = (lambda peer: admission.revoked(peer) is not None) if admission is not None else None
+        view = SwarmView(
+            dht, swarm.name, peer_id, cfg.node.swarm_poll_s, model.to_wire() if model else None, revoked
+        )
         started.append((view, "close"))
+        revocations = None
+        if admission is not None:  # newer revocation lists, to every process of this site
+            revocations = RevocationWatch(dht, admission, peer_id, averager.apply_revocations)
+            started.append((revocations, "close"))
         publisher = ProgressPublisher(
             dht,
             swarm.name,
@@ -144,6 +163,7 @@ def join_swarm(
             publisher=publisher,
             reachability=reachability,
             admission=admission,
+            revocations=revocations,
         )
     except BaseException:  # a half-joined site must not leave a DHT, daemon or averager process behind
         for part, stop in reversed(started):

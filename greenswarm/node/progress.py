@@ -50,6 +50,8 @@ class ProgressRecord:
     # a shared deadline {deadline, target, values, work_tokens, at}: what it can still train, how clean
     plan: dict[str, Any] | None = None
     model: str | None = None  # ModelIdentity.to_wire(): architecture, parameters, tokenizer, digest
+    # digest of the global state this site serves at (outer_round, lineage): parameters and momentum
+    state_digest: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -46,6 +46,7 @@ class RecordModel(pyd.BaseModel):
     next_start: Optional[pyd.StrictFloat] = None  # noqa: UP045  (the deadline plan's next start)
     plan: Optional[PlanModel] = None  # noqa: UP045  (a shared deadline plan)
     model: Optional[pyd.constr(strict=True, max_length=256)] = None  # type: ignore[valid-type]  # noqa: UP045
+    state_digest: Optional[pyd.constr(strict=True, max_length=64)] = None  # type: ignore[valid-type]  # noqa: UP045
 
     class Config:
         extra = pyd.Extra.forbid

@@ -58,6 +58,7 @@ class RoundEnd:
             members=sorted(members) or [site],
             reason=self.reason,
             refused={site_of(outcome, p): why for p, why in self.result.refused.items()} if outcome else {},
+            clipped={site_of(outcome, p): why for p, why in outcome.clipped.items()} if outcome else {},
             wire=outcome.wire if outcome else "",
             round_s=outcome.seconds if outcome else None,
             allreduce_s=outcome.allreduce_s if outcome else None,

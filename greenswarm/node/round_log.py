@@ -39,6 +39,7 @@ class RoundEntry:
     members: list[str] = field(default_factory=list)  # site names of the group (this site included)
     reason: str = ""  # why a round failed
     refused: dict[str, str] = field(default_factory=dict)  # groupmates whose updates were refused, and why
+    clipped: dict[str, str] = field(default_factory=dict)  # members whose claimed tokens counted less, how
     wire: str = ""
     round_s: float | None = None  # the averaging attempt: matchmaking + all-reduce
     allreduce_s: float | None = None  # the all-reduce alone (None: no group formed)

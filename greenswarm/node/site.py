@@ -25,6 +25,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from greenswarm.averaging.agreement import state_digest
 from greenswarm.averaging.outer import OuterOptimizer
 from greenswarm.faults import FaultPlan
 from greenswarm.node.config import SiteConfig
@@ -41,7 +42,7 @@ from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_ma
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
-from greenswarm.node.state_sync import StateSync
+from greenswarm.node.state_sync import StateSync, attested
 from greenswarm.node.telemetry import StatusLine, log_transition, progress_record, summary, write_summary
 from greenswarm.node.trainer import InnerTrainer
 from greenswarm.scheduler.clock import WAITING_FOR_START
@@ -51,6 +52,7 @@ from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import Window, WindowSchedule, noticed_late_s
 from greenswarm.scheduler.site_schedule import site_schedule
 from greenswarm.scheduler.state import SiteState, decide_state
+from greenswarm.security.certificates import CertificateError
 from greenswarm.timefmt import parse_instant, utc_minute
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
@@ -120,7 +122,12 @@ class SiteNode:
             self._start()
             if self._replay_started():
                 self._loop()
-            return self._finish()
+            summary = self._finish()
+            if (why := self._revoked()) is not None:  # (its last checkpoint and summary are written)
+                raise CertificateError(
+                    f"this site is no longer a member of swarm '{self.cfg.swarm.name}': {why}"
+                )
+            return summary
         finally:
             self._close()
 
@@ -137,6 +144,8 @@ class SiteNode:
                 break
             if now >= self.stop_at:
                 self.log.info("node.stop_at %s reached: stopping", utc_minute(self.stop_at))
+                break
+            if self._revoked() is not None:
                 break
             state = self._update_state(now)
             if isinstance(self.schedule, DeadlineSchedule) and self.schedule.finished():
@@ -259,6 +268,26 @@ class SiteNode:
             self.stats.counts["catch_ups"] += 1
             self._report(force=True)
 
+    def _verify_served(self, meta: dict[str, Any], tensors: list, server: str) -> str | None:
+        """Why a state ``server`` served is not to be adopted (see
+        :func:`~greenswarm.node.state_sync.attested`), from fresh records of the state's holders: a
+        holder that just stepped may serve its new state a moment before its record says so, so the
+        records are read again for up to two seconds before a state nobody attests is refused."""
+        digest = state_digest(tensors)
+        where = (meta.get("outer_round"), meta.get("lineage"))
+        for attempt in range(5):
+            self.swarm.view.poll_now()
+            holders = [r for r in self.swarm.view.others() if (r.outer_round, r.lineage) == where]
+            why = attested(digest, server, holders)
+            if why is None or any(r.state_digest for r in holders) or attempt == 4:
+                return why
+            time.sleep(0.5)
+        return why
+
+    def _refused_state(self, _peer: str, _why: str) -> None:
+        """A state a peer served was refused (:meth:`_verify_served`; the sync said whose and why)."""
+        self.stats.counts["refused_states"] += 1
+
     def _after_step(self) -> None:
         """What follows every change of the global model: checkpoint, held-out loss and the best
         checkpoints (when due), kept copy, record, fresh view."""
@@ -289,7 +318,9 @@ class SiteNode:
             self._stop,
             averaging.agreement_timeout_s,
             self.log,
+            verify=self._verify_served,
         )
+        self.sync.on_refused = self._refused_state
         self.checkpoints = SiteCheckpoints(
             cfg, self.faults, self.ranks, self.global_state, self.sync, self.stats, self.ledger, self.log,
             background=averaging.overlap,  # rounds beside training: checkpoints written beside it too
@@ -321,7 +352,8 @@ class SiteNode:
             self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name, cfg.node.progress_ttl_s
         )
         parts = (self.swarm.averager, self.swarm.digests, averaging, cfg.name, self.peer_id)
-        self.federation = Federation(*parts, self.faults, self.started, self.log)
+        interval_s = self.clock.wall_seconds(averaging.sync_interval_s)  # (a replay runs faster)
+        self.federation = Federation(*parts, self.faults, self.started, self.log, interval_s)
         self.round_handler = RoundHandler(
             self.global_state, self.ranks, self.federation, self.sync, self.stats, self.peer_id, self.log
         )
@@ -358,6 +390,11 @@ class SiteNode:
         target = min(nxt.start if nxt else self.schedule.end, now + self.cfg.scheduler.poll_s, self.stop_at)
         self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
         self.ranks.idle()  # keeps follower ranks' collectives from timing out during long idles
+
+    def _revoked(self) -> str | None:
+        """Why the swarm's authority revoked this site (it then stops), or None."""
+        watch = self.swarm.revocations if self.swarm is not None else None
+        return watch.revoked_self if watch is not None else None
 
     def _work_done(self) -> tuple[float, int]:
         """Clock seconds this site has trained (its ledger's, restored with a checkpoint) and its tokens."""

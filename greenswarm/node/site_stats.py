@@ -12,7 +12,16 @@ from typing import Any
 from greenswarm.node.trainer import StepStats
 
 #: how a site's rounds ended, counted (all start at zero)
-COUNTERS = ("federated_rounds", "solo_rounds", "failed_rounds", "catch_ups", "resyncs", "refused_updates")
+#: (refused_states: states served for adoption that their lineage's holders had not signed)
+COUNTERS = (
+    "federated_rounds",
+    "solo_rounds",
+    "failed_rounds",
+    "catch_ups",
+    "resyncs",
+    "refused_updates",
+    "refused_states",
+)
 
 
 @dataclass

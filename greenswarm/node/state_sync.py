@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,35 @@ from greenswarm.node.swarm_view import SwarmView, state_key
 
 #: (metadata, tensors) from the first of the given peers that served its state, or None
 Download = Callable[[Sequence[str]], tuple[dict[str, Any], list[torch.Tensor]] | None]
+#: why a state served by a peer (its metadata, tensors, the peer's id) is not to be adopted, or None
+Verify = Callable[[dict[str, Any], list[torch.Tensor], str], str | None]
+
+
+def attested(digest: str, server: str, records: Sequence[Any]) -> str | None:
+    """Why a downloaded state whose digest is ``digest``, served by peer ``server``, is not the state its
+    lineage's holders signed, or None to adopt it. ``records`` are the live signed progress records
+    that claim the served (outer step, lineage) -- the server's own among them, if it published one.
+
+    The state is adopted when its digest is the one the most of those records attest (none attests
+    another more often), and a holder other than the server attests it too -- or the server is the
+    only holder of that lineage (a step it took alone: nobody else can vouch for it). So one member
+    serving a forged state under a lineage others hold is refused whether or not its own record lies."""
+    votes = Counter(r.state_digest for r in records if getattr(r, "state_digest", None))
+    if not votes:
+        return "no live member's record attests a state at that outer step and lineage (yet)"
+    tally = ", ".join(f"{d[:12]}x{n}" for d, n in votes.most_common())
+    if votes[digest] == 0:
+        return f"its digest {digest[:12]} is not the one its lineage's holders signed ({tally})"
+    if votes[digest] < max(votes.values()):
+        return f"its digest {digest[:12]} has fewer signatures than another ({tally})"
+    holders = {r.peer_id for r in records}
+    vouched = [r for r in records if r.peer_id != server and r.state_digest == digest]
+    if not vouched and holders - {server}:
+        return (
+            f"only the server signed its digest {digest[:12]}; the other holders of that lineage did not "
+            f"({tally})"
+        )
+    return None
 
 
 #: how many remembered rounds a site keeps (each is a model-sized update: rounds are minutes apart, and
@@ -80,8 +110,11 @@ class StateSync:
         timeout_s: float,
         log: logging.Logger | None = None,
         retry_s: float = 0.5,
+        verify: Verify | None = None,
     ):
         self.state, self.ranks, self.download = state, ranks, download
+        self.verify = verify  # None: a served state is taken as it is (an open swarm's choice)
+        self.refused: dict[str, str] = {}  # peer -> why the last state it served was refused
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
@@ -89,6 +122,8 @@ class StateSync:
         self.pending_rounds: list[PendingRound] = []
         #: called with a remembered round found applied in an adopted state (see the module's docstring)
         self.on_settled: Callable[[PendingRound], None] | None = None
+        #: called with the peer and the reason when a state it served was refused (the site counts them)
+        self.on_refused: Callable[[str, str], None] | None = None
 
     def maybe_applied(
         self,
@@ -128,7 +163,7 @@ class StateSync:
         if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
             return False
         started = time.monotonic()
-        got = self.download(view.holders_of(head.outer_round, head.lineage))
+        got = self.download_checked(view.holders_of(head.outer_round, head.lineage))
         if got is None:
             self.log.warning(
                 "could not download the state of round %d from %s; training on", head.outer_round, head.site
@@ -151,7 +186,7 @@ class StateSync:
         self.log.warning("round %d: %s; resynchronizing from %s", result.slot, result.reason, result.holders)
         deadline = time.monotonic() + self.timeout_s
         while not self.stop.is_set():
-            got = self.download(result.holders)
+            got = self.download_checked(result.holders)
             if (
                 got is not None
                 and got[0].get("lineage") == result.lineage
@@ -172,6 +207,30 @@ class StateSync:
             result.slot,
         )
         return False
+
+    def download_checked(self, peers: Sequence[str]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """The state of the first of ``peers`` that serves one its lineage's holders signed
+        (:attr:`verify`); each one refused is said once per reason, remembered in :attr:`refused`,
+        and the next peer is tried."""
+        if self.verify is None:
+            return self.download(peers)
+        for peer in peers:
+            got = self.download([peer])
+            if got is None:
+                continue
+            why = self.verify(got[0], got[1], peer)
+            if why is None:
+                return got
+            site = got[0].get("site", "a peer")
+            if self.refused.get(peer) != why:
+                self.log.warning(
+                    "refused the state served by %s (%s) for outer step %s: %s; trying the next holder",
+                    site, peer, got[0].get("outer_round"), why,
+                )  # fmt: skip
+            self.refused[peer] = why
+            if self.on_refused is not None:
+                self.on_refused(peer, why)
+        return None
 
     def adopt(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from greenswarm.node.model import ModelIdentity
@@ -25,8 +26,19 @@ def state_key(outer_round: int, lineage: str) -> tuple[int, str]:
 class SwarmView:
     """Polls the swarm's progress records every ``poll_s`` wall seconds on a daemon thread."""
 
-    def __init__(self, dht: Any, swarm: str, my_peer_id: str, poll_s: float, model: str | None = None):
+    def __init__(
+        self,
+        dht: Any,
+        swarm: str,
+        my_peer_id: str,
+        poll_s: float,
+        model: str | None = None,
+        revoked: Callable[[str], bool] | None = None,
+    ):
         self.dht, self.swarm, self.me, self.poll_s = dht, swarm, my_peer_id, poll_s
+        # whether the swarm's authority revoked a peer: its records (stored before the revocation, and
+        # readable until they expire) count for nothing
+        self.revoked = revoked or (lambda peer: False)
         self.model = model  # this site's ModelIdentity.to_wire(): sites training another model are not peers
         self._identity = ModelIdentity.from_wire(model) if model else None
         self._records: list[ProgressRecord] = []
@@ -68,7 +80,7 @@ class SwarmView:
                     record.site, record.peer_id, describe_model(record.model), describe_model(self.model),
                 )  # fmt: skip
         with self._lock:
-            self._records = [r for r in records if r not in unlike]
+            self._records = [r for r in records if r not in unlike and not self.revoked(r.peer_id)]
             self._unlike = unlike
 
     def refresh(self) -> None:

@@ -44,7 +44,8 @@ def progress_record(node: RunningSite) -> ProgressRecord:
     """The site's progress record, as the swarm reads it."""
     now, stats, state = node.clock.now(), node.stats, node.global_state
     window = node.schedule.current(now) if node.state is not SiteState.IDLE else None
-    outer_round, lineage, round_index = state.where()  # one step's, even while a round's thread moves it
+    # one step's position and digest, even while a round's thread moves the state
+    (outer_round, lineage, round_index), attested = state.attestation()
     return ProgressRecord(
         site=node.cfg.name,
         region=node.cfg.region,
@@ -67,6 +68,7 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         next_start=getattr(node.schedule, "next_start", None),
         plan=getattr(node.schedule, "share", None),
         model=node.trainer.identity.to_wire(),
+        state_digest=attested,
     )
 
 

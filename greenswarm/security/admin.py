@@ -36,10 +36,13 @@ def run_swarm_command(args: argparse.Namespace) -> int:
             peer_id=args.peer_id,
             valid_s=parse_validity(args.expires),
             out=args.out,
+            max_tokens_per_s=args.max_tokens_per_s,
         )
         result = {"certificate": args.out, **asdict(membership)}
         until = utc_second(membership.expires)
         text = f"{args.out}: {membership.site} ({membership.region}) admitted until {until}"
+        if membership.max_tokens_per_s is not None:
+            text += f", claiming at most {membership.max_tokens_per_s:g} tokens/s in a round"
     else:
         membership = verify(
             args.certificate,

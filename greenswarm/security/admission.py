@@ -32,6 +32,8 @@ from greenswarm.security.certificates import (
     parse_certificate,
     raw_public,
 )
+from greenswarm.security.revocation import RevocationList
+from greenswarm.security.revocation import parse as parse_revocations
 
 #: how many signature-checked certificates a process remembers (they are small; peers are few)
 _CACHE_SIZE = 4096
@@ -45,6 +47,8 @@ class Admission:
     swarm: str
     authority: bytes  # raw Ed25519 public key of the swarm authority
     certificate: bytes = b""  # this site's certificate file, as issued
+    revocations: RevocationList | None = None  # the newest revocation list this process has seen
+    revocation_bytes: bytes = b""  # ... as the authority signed it (what is stored again on the DHT)
     _checked: dict[bytes, Membership] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -61,9 +65,43 @@ class Admission:
                 raise CertificateError(f"{certificate}: cannot read certificate: {e.strerror}") from None
         return cls(swarm=swarm, authority=public, certificate=blob)
 
-    def check(self, certificate: Any, peer_id: str, now: float | None = None) -> Membership:
+    def revoke(self, blob: bytes, source: str = "a revocation list") -> RevocationList | None:
+        """Apply a signed revocation list (its bytes) if it is newer than the one in force; the list
+        now in force if it changed, None if ``blob`` was no newer. :class:`CertificateError` when it
+        does not verify."""
+        revocations = parse_revocations(blob, self.authority, self.swarm, source)
+        if self.revocations is not None and revocations.serial <= self.revocations.serial:
+            return None
+        self.revocations, self.revocation_bytes = revocations, bytes(blob)
+        return revocations
+
+    def load_revocations(self, path: str | Path | None) -> None:
+        """Apply the revocation list file at ``path`` (nothing for None); errors name the file."""
+        if path is not None:
+            from greenswarm.security.revocation import read
+
+            read(path, self.authority, self.swarm)  # (the file's own errors: missing, unreadable)
+            self.revoke(Path(path).read_bytes(), str(path))
+
+    def revoked(
+        self, peer_id: str, certificate: bytes | None = None, signed_at: float | None = None
+    ) -> str | None:
+        """Why ``peer_id`` (holding ``certificate``) is revoked, or None. ``signed_at``: for something
+        it signed then (a DHT record), which counts only if signed after the revocation -- a record
+        stored before it stays readable until it expires (see
+        :mod:`greenswarm.security.revocation`), and readers ignore it."""
+        if self.revocations is None:
+            return None
+        entry = self.revocations.revoked(peer_id, certificate)
+        if entry is None or (signed_at is not None and signed_at < entry.revoked_at):
+            return None
+        return self.revocations.describe(entry)
+
+    def check(
+        self, certificate: Any, peer_id: str, now: float | None = None, signed_at: float | None = None
+    ) -> Membership:
         """The membership of ``peer_id`` proven by ``certificate`` (bytes a peer showed); raises
-        :class:`CertificateError` naming the peer and what failed."""
+        :class:`CertificateError` naming the peer and what failed (``signed_at``: see :meth:`revoked`)."""
         source = f"certificate of peer {peer_id}"
         if not certificate:
             raise CertificateError(f"peer {peer_id} showed no membership certificate")
@@ -80,8 +118,13 @@ class Admission:
             if len(self._checked) >= _CACHE_SIZE:
                 self._checked.clear()
             self._checked[digest] = membership
-        # the cheap half runs every time: a certificate that was valid a minute ago may have expired
-        return check_binding(membership, source, swarm=self.swarm, peer_id=peer_id, now=now)
+        # the cheap half runs every time: a certificate that was valid a minute ago may have expired,
+        # or been revoked
+        checked = check_binding(membership, source, swarm=self.swarm, peer_id=peer_id, now=now)
+        why = self.revoked(peer_id, bytes(certificate), signed_at)
+        if why is not None:
+            raise CertificateError(f"{source}: {why}")
+        return checked
 
     def is_member(self, certificate: Any, peer_id: str, now: float | None = None) -> bool:
         try:
@@ -91,7 +134,13 @@ class Admission:
         return True
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"swarm": self.swarm, "authority": self.authority, "certificate": self.certificate}
+        return {
+            "swarm": self.swarm,
+            "authority": self.authority,
+            "certificate": self.certificate,
+            "revocations": self.revocations,
+            "revocation_bytes": self.revocation_bytes,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)

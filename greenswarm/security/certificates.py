@@ -46,10 +46,20 @@ class Membership:
     expires: float  # unix seconds
     authority: str  # fingerprint of the authority's public key (which key signed it)
     format: str = FORMAT
+    # the most tokens a second this site may claim in a round (None: only the swarm's averaging bound)
+    max_tokens_per_s: float | None = None
+
+    def fields(self) -> dict:
+        """The signed fields; an optional one left unset is left out, so a certificate issued before
+        the field existed keeps its signature."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k in _REQUIRED}
 
     def canonical(self) -> bytes:
         """The exact bytes that are signed: sorted keys, no whitespace."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(self.fields(), sort_keys=True, separators=(",", ":")).encode()
+
+
+_REQUIRED = frozenset(("swarm", "site", "region", "peer_id", "issued", "expires", "authority", "format"))
 
 
 def fingerprint(public_raw: bytes) -> str:
@@ -141,8 +151,10 @@ def issue(
     valid_s: float,
     out: str | Path,
     now: float | None = None,
+    max_tokens_per_s: float | None = None,
 ) -> Membership:
-    """Sign a membership certificate for ``site`` and write it to ``out`` (0600)."""
+    """Sign a membership certificate for ``site`` and write it to ``out`` (0600); ``max_tokens_per_s``
+    bounds the weight the site may claim in a round (see :mod:`greenswarm.averaging.aggregation`)."""
     from hivemind.p2p import PeerID
 
     try:
@@ -153,6 +165,8 @@ def issue(
         raise CertificateError(f"--peer-id: {peer_id!r} is not a libp2p peer id (12D3KooW...)")
     if not valid_s > 0:
         raise CertificateError(f"--expires: the certificate must be valid for some time, got {valid_s} s")
+    if max_tokens_per_s is not None and not (max_tokens_per_s > 0 and max_tokens_per_s < float("inf")):
+        raise CertificateError(f"--max-tokens-per-s: must be a number > 0, got {max_tokens_per_s:g}")
     key = load_authority(authority_path)
     issued = time.time() if now is None else now
     membership = Membership(
@@ -163,9 +177,10 @@ def issue(
         issued=issued,
         expires=issued + valid_s,
         authority=fingerprint(raw_public(key.public_key())),
+        max_tokens_per_s=float(max_tokens_per_s) if max_tokens_per_s is not None else None,
     )
     signature = base64.b64encode(key.sign(membership.canonical())).decode()
-    blob = json.dumps({"membership": asdict(membership), "signature": signature}, indent=2) + "\n"
+    blob = json.dumps({"membership": membership.fields(), "signature": signature}, indent=2) + "\n"
     write_private(Path(out), blob.encode())
     return membership
 

@@ -19,6 +19,12 @@ value, expiration time, signing time and signer. A record is accepted only when
   names a ``peer_id``, ``site`` or ``region`` must name the signer's (so one member cannot overwrite
   or impersonate another's progress record, digest or averaging declaration).
 
+One key is the authority's, not a member's: the swarm's revocation lists
+(:mod:`greenswarm.security.revocation`), whose value carries the authority's own signature and
+needs no member's envelope. The validator checks that signature, and applies the newest list it
+sees to its process's admission, so each DHT node refuses a revoked member's records from the moment
+the list passes through it.
+
 It covers every record in the DHT -- hivemind's own matchmaking declarations included, since a DHT
 key is a hash and cannot be told apart -- so an uncertified peer can neither be found as a group
 leader nor be listed as a state holder. Because hivemind drops a *whole* dictionary value when one
@@ -38,6 +44,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
+from greenswarm.security.revocation import revocations_key
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ class MemberRecordValidator(RecordValidatorBase):
         self._signer: bytes | None = None  # this peer's id, raw
         self._key: Any = None
         self._refusals = RefusalLog(log, LOG_EVERY_S)
+        self._revocations_key: bytes | None = None  # the hashed DHT key of the revocation lists
 
     def __getstate__(self) -> dict[str, Any]:  # key objects do not pickle; rebuilt on first use
         return {"admission": self.admission, "seed": self.seed}
@@ -135,6 +143,9 @@ class MemberRecordValidator(RecordValidatorBase):
         from greenswarm.bootstrap.identity import ed25519_public_of
 
         value, envelope = _split(record.value)
+        if record.key == self._revocations_dht_key():
+            self._check_revocations(record, value)
+            return
         if envelope is None:
             raise RecordRefused("refused an unsigned DHT record (its writer holds no membership certificate)")
         try:
@@ -158,7 +169,7 @@ class MemberRecordValidator(RecordValidatorBase):
             ) from None
         now = time.time() if now is None else now
         try:
-            membership = self.admission.check(certificate, writer, now=now)
+            membership = self.admission.check(certificate, writer, now=now, signed_at=signed_at)
         except CertificateError as e:
             raise RecordRefused(f"refused a DHT record from {writer}: {e}") from None
         if signed_at > now + CLOCK_SKEW_S:
@@ -173,6 +184,33 @@ class MemberRecordValidator(RecordValidatorBase):
                 f"refused a DHT record from {writer} (site {membership.site}): it outlives the certificate"
             )
         _check_claims(record.subkey, value, writer, signer, membership)
+
+    def _revocations_dht_key(self) -> bytes:
+        if self._revocations_key is None:
+            from hivemind.dht.routing import DHTID
+
+            self._revocations_key = DHTID.generate(source=revocations_key(self.admission.swarm)).to_bytes()
+        return self._revocations_key
+
+    def _check_revocations(self, record: DHTRecord, value: bytes) -> None:
+        """A revocation list record: the authority's signature, the swarm, a bounded life; a newer
+        list than the one in force is applied here, in this process."""
+        blob = _first_object(value)
+        if not isinstance(blob, bytes):
+            raise RecordRefused("refused a revocation list record that holds no list")
+        if record.expiration_time > time.time() + MAX_TTL_S + CLOCK_SKEW_S:
+            raise RecordRefused(f"refused a revocation list record that would live beyond {MAX_TTL_S:.0f} s")
+        try:
+            applied = self.admission.revoke(blob, "a revocation list stored on the DHT")
+        except CertificateError as e:
+            raise RecordRefused(f"refused {e}") from None
+        if applied is not None:
+            log.warning(
+                "revocation list #%d of swarm '%s' in force: %d member(s) revoked",
+                applied.serial,
+                applied.swarm,
+                len(applied.entries),
+            )
 
 
 def _split(raw: bytes) -> tuple[bytes, bytes | None]:
