@@ -98,6 +98,26 @@ def _parser() -> argparse.ArgumentParser:
         "and keep the list on the DHT for the sites",
     )
     boot.add_argument(
+        "--relay-port",
+        type=int,
+        metavar="PORT",
+        help="in a certified swarm, the members-only relay's port (default: the listen port + 1)",
+    )
+    boot.add_argument(
+        "--relay-data-gib",
+        type=float,
+        default=64.0,
+        metavar="GIB",
+        help="what one relayed connection may carry each way before the relay resets it (default 64)",
+    )
+    boot.add_argument(
+        "--relay-hours",
+        type=float,
+        default=24.0,
+        metavar="H",
+        help="how long one relayed connection may last before the relay resets it (default 24)",
+    )
+    boot.add_argument(
         "--no-relay",
         action="store_true",
         help="do not relay for sites behind NAT (by default the bootstrap carries their connections)",
@@ -558,6 +578,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                     "relay": not args.no_relay,
                     "authority": args.authority,
                     "revocations": args.revocations,
+                    "relay_port": args.relay_port,
+                    "relay_data_gib": args.relay_data_gib,
+                    "relay_hours": args.relay_hours,
                     "metrics_port": args.metrics_port,
                     "metrics_host": args.metrics_host,
                 },

@@ -3,8 +3,11 @@
 The topology (tests/netns.py): a hub namespace holding the bootstrap peer at 10.77.0.1 and three
 site namespaces linked only to the hub, with forwarding off there, so sites reach the hub and never
 each other. Each site joins with ``reachability: auto``, finds no public address, and is reached
-through the bootstrap's circuit relay. Needs root and ``ip netns``; skipped with the reason
-elsewhere, required where ``GREENSWARM_REQUIRE_NAT=1`` (``.ci/run``).
+through the bootstrap's circuit relay. The swarm is certified, so that relay is the members-only one
+(its own daemon behind a gate that lets in the sites that showed their certificate:
+docs/security.md); ``tests/test_relay_members.py`` shows an outsider kept out of it. Needs root and
+``ip netns``; skipped with the reason elsewhere, required where ``GREENSWARM_REQUIRE_NAT=1``
+(``.ci/run``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from greenswarm.bootstrap.identity import load_or_create_identity
+from greenswarm.security.certificates import create_authority, issue
 from tests import netns
 from tests.conftest import Swarm, site_config, wait_until, write_trace
 
@@ -33,8 +38,8 @@ def topology() -> Iterator[netns.Topology]:
         yield topo
 
 
-def _bootstrap(swarm: Swarm, topo: netns.Topology) -> list[str]:
-    """The bootstrap peer in the hub, announcing the hub's public address."""
+def _bootstrap(swarm: Swarm, topo: netns.Topology, authority: Path) -> list[str]:
+    """The bootstrap peer in the hub, announcing the hub's public address, certified by ``authority``."""
     prefix = [*topo.exec_prefix(topo.hub), sys.executable, "-m", "greenswarm"]
     swarm.command(
         "bootstrap",
@@ -47,6 +52,8 @@ def _bootstrap(swarm: Swarm, topo: netns.Topology) -> list[str]:
         str(swarm.tmp / "bootstrap.key"),
         "--swarm",
         "test",
+        "--authority",
+        f"{authority}.pub",
         "--json",
         prefix=prefix,
     )
@@ -63,6 +70,18 @@ def _bootstrap(swarm: Swarm, topo: netns.Topology) -> list[str]:
     raise TimeoutError(swarm.log("bootstrap"))
 
 
+def _member(tmp: Path, name: str, authority: Path) -> dict:
+    """The swarm section of an admitted site: its identity, certificate and the authority's key."""
+    identity = tmp / f"{name}.key"
+    issue(authority, swarm="test", site=name, region="R", peer_id=load_or_create_identity(identity),
+          valid_s=3600, out=tmp / f"{name}.cert")  # fmt: skip
+    return {
+        "identity": str(identity),
+        "certificate": str(tmp / f"{name}.cert"),
+        "authority": f"{authority}.pub",
+    }
+
+
 def test_three_sites_behind_nat_average_through_the_bootstrap(
     swarm: Swarm, topology: netns.Topology, tmp_path: Path
 ) -> None:
@@ -73,7 +92,9 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
         for b in sites:
             if a is not b:
                 assert not topology.reachable(a.ns, b.addr, 22), (a.ns, b.addr)
-    peers = _bootstrap(swarm, topology)
+    authority = tmp_path / "authority.key"
+    create_authority(authority)
+    peers = _bootstrap(swarm, topology, authority)
     trace = write_trace(tmp_path / "trace.csv", {"R": [20.0] * (TRACE_MIN // 5)})
     start_file = tmp_path / "start"
     before = topology.hub_bytes()
@@ -84,6 +105,7 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
             speedup=SPEEDUP, start_file=start_file, sync_s=SYNC_S, shard=i, shards=3,
             node={"keep_globals": 100},
             averaging={"wire": "fp16"},  # a fixed format, so the hub's byte count below is known
+            swarm=_member(tmp_path, name, authority),
         )  # fmt: skip
         cfg["swarm"]["host_maddrs"] = ["/ip4/0.0.0.0/tcp/0"]
         swarm.node(
@@ -100,6 +122,8 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
             *peers,
             "--swarm",
             "test",
+            "--authority",
+            f"{authority}.pub",
             "--json",
         )
         if listed.returncode != 0:  # e.g. the bootstrap, on a busy machine, answered too late: ask again
@@ -118,6 +142,7 @@ def test_three_sites_behind_nat_average_through_the_bootstrap(
     ids = {s["peer_id"] for s in summaries}
     for i, summary in enumerate(summaries):
         assert "joining the swarm through a relay" in swarm.log(f"site{i}")
+        assert "relay pass granted by" in swarm.log(f"site{i}")  # the members-only relay let it in
         assert summary["reachability"] == "relay"
         assert summary["federated_rounds"] >= 3, summary
         assert summary["first_round_s"] is not None

@@ -104,13 +104,14 @@ def join_swarm(
     reachability, why = resolve_reachability(swarm)
     log.info("joining the swarm %s: %s", "through a relay" if reachability == "relay" else "directly", why)
     reach: dict[str, Any] = {"announce_maddrs": swarm.announce_maddrs}
+    # a certified swarm's relay lets in members only: the pass comes before the daemon
+    # (node/relay_pass.py), for a site reached directly too, which dials NAT'ed sites through it
+    relays = swarm.initial_peers
+    if admission is not None and swarm.initial_peers:
+        relays = relays_for(swarm.initial_peers, swarm.identity, admission.certificate)
     if reachability == "relay":
         # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
-        # it for DHT queries cheaply, so it does not serve them). A certified swarm's relay lets in
-        # members only: the pass comes first (node/relay_pass.py)
-        relays = swarm.initial_peers
-        if admission is not None:
-            relays = relays_for(swarm.initial_peers, swarm.identity, admission.certificate)
+        # it for DHT queries cheaply, so it does not serve them)
         reach = {**relay_options(relays), "client_mode": True}
     dht = start_dht(
         swarm.initial_peers,
