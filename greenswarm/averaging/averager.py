@@ -182,16 +182,20 @@ class SwarmAverager(DecentralizedAverager):
             offer = wire_offer(self._cfg.wire, self.measured_mbit, self._cfg.round_budget_s)
             shown = {"certificate": self._admission.certificate} if self._admission is not None else {}
             rules = {**self._cfg.rules(), "interval_s": float(interval_s)}
+            weight = max(float(weight), 1e-6)
             control = self.step(
                 gather={
                     **gather,
                     **shown,
+                    # the claim every reducer weighs and bounds this site's parts by: the weight itself,
+                    # so a caller cannot send parts weighing more than the members counted
+                    "tokens": weight,
                     "slot": round_index,
                     "wire_offer": offer,
                     "norm": norm,
                     "rules": rules,
                 },
-                weight=max(float(weight), 1e-6),
+                weight=weight,
                 scheduled_time=get_dht_time() + matchmaking_s,
                 timeout=2 * matchmaking_s,
                 # one attempt a round: a retried all-reduce would report only its own failure, hiding

@@ -166,7 +166,6 @@ class Federation:
             expected_size=1 + partners,
             gather={
                 "site": self.site,
-                "tokens": tokens,
                 "outer_round": state.outer_round,
                 "recent": state.recent_update_norm,  # the scale the group screens updates against
             },
