@@ -26,7 +26,8 @@ from greenswarm.security.certificates import create_authority, issue
 from tests import netns
 from tests.conftest import Swarm, site_config, wait_until, write_trace
 
-pytestmark = [pytest.mark.nat, pytest.mark.swarm]
+# hardening: members average through the members-only relay (issue #19)
+pytestmark = [pytest.mark.nat, pytest.mark.swarm, pytest.mark.security, pytest.mark.hardening]
 
 HUB_PORT = 31337
 SPEEDUP, SYNC_S, TRACE_MIN = 60.0, 600.0, 64
