@@ -183,6 +183,7 @@ CHECKPOINTED = (
     "rounds",
     "catch_ups",
     "refused_updates",
+    "refused_states",
     "energy_kwh",
     "emissions_grams",
     "state_seconds",

@@ -323,6 +323,12 @@ class SiteCollector(Collector):
             None,
             {"": "refused_updates"},
         )
+        yield from counted(
+            "refused_states",
+            "States served to this site that their lineage's holders had not signed (refused, not adopted)",
+            None,
+            {"": "refused_states"},
+        )
         totals = node.round_log.totals
         yield SummaryMetricFamily(
             "greenswarm_round_seconds",
