@@ -176,6 +176,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the swarm authority's public key: show only records of certified members (a certified "
         "swarm signs its records, so without it they cannot be read)",
     )
+    prog.add_argument(
+        "--revocations",
+        metavar="FILE",
+        help="the authority's revocation list (greenswarm swarm revoke): leave out the members it "
+        "names (the newest list on the DHT is read too)",
+    )
     prog.add_argument("--json", action="store_true", help="print records as JSON")
     prog.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
 
@@ -599,7 +605,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         from greenswarm.node.progress_view import show_progress
 
         peers = check_peers(args.initial_peers, "--initial-peers")
-        return show_progress(peers, args.swarm, as_json=args.json, watch=args.watch, authority=args.authority)
+        if args.revocations and not args.authority:
+            raise ConfigError("a revocation list needs --authority to be checked", field="--revocations")
+        return show_progress(
+            peers,
+            args.swarm,
+            as_json=args.json,
+            watch=args.watch,
+            authority=args.authority,
+            revocations=args.revocations,
+        )
     if args.command == "demo":
         from greenswarm.demo import DemoOptions, run_demo
 

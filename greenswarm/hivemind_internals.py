@@ -185,6 +185,30 @@ def call_averager(averager: Any, method: str, wait_s: float, **kwargs: Any) -> A
     return future.result(timeout=wait_s)
 
 
+class _LockedPipe:
+    """A pipe end whose ``send`` holds a lock: the node calls into its averager process from several
+    threads (the loop, a round beside training, the revocation watch), and two unlocked sends on one
+    connection may interleave their bytes."""
+
+    def __init__(self, pipe: Any):
+        import threading
+
+        self._pipe, self._lock = pipe, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._pipe.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+def lock_outer_pipe(averager: Any) -> None:
+    """Serialize every call into ``averager``'s process, hivemind's own (``step``) and ours alike."""
+    if not isinstance(averager._outer_pipe, _LockedPipe):
+        averager._outer_pipe = _LockedPipe(averager._outer_pipe)
+
+
 def averager_p2p(averager: Any) -> Any:
     """(averager process) The P2P handle the averager talks through."""
     return averager._p2p

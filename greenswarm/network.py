@@ -100,8 +100,9 @@ def relay_flags(data_gib: float, hours: float) -> dict[str, Any]:
     ``hours`` hours (see :data:`RELAY_DATA_GIB`)."""
     return {
         "forceReachabilityPublic": 1,
-        "relayDataLimit": int(data_gib * (1 << 30)),
-        "relayTimeLimit": f"{hours:g}h",
+        "relayDataLimit": max(1, int(data_gib * (1 << 30))),
+        # whole seconds: Go's duration parser takes "86400s", not "1e+06h"
+        "relayTimeLimit": f"{max(1, round(hours * 3600))}s",
         "relayMaxCircuits": RELAY_MAX_CIRCUITS,
         "relayMaxReservations": RELAY_MAX_RESERVATIONS,
     }

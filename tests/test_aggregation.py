@@ -30,6 +30,9 @@ def test_trimmed_mean_leaves_out_the_extremes_of_each_coordinate() -> None:
     assert trimmed_mean(rows, 0.0).tolist() == pytest.approx(rows.mean(dim=0).tolist())
     # two rows cannot lose one each side: the mean of both (never an empty set)
     assert trimmed_mean(rows[:2], 0.4).tolist() == [1.5, -20.0]
+    # three rows with trim 0.25 (of three: none) still lose one each side: the median, so one
+    # attacker of a group of three is left out too
+    assert trimmed_mean(rows[1:], 0.25).tolist() == [3.0, 20.0]
 
 
 @pytest.mark.parametrize("attack", [-100.0, 1e6])  # a sign-flipped and scaled update, a huge one

@@ -16,7 +16,7 @@ from greenswarm.bootstrap.relay_gate import RelayGate, _relay_maddrs, grant
 from greenswarm.errors import ConfigError
 from greenswarm.network import SwarmConfig
 from greenswarm.node.state_sync import attested
-from greenswarm.security.admission import Admission
+from greenswarm.security.admission import REVOKED_GRACE_S, Admission
 from greenswarm.security.certificates import (
     CertificateError,
     create_authority,
@@ -89,6 +89,24 @@ def test_a_record_signed_before_the_revocation_stays_readable(swarm: SimpleNames
     assert swarm.admission.revoked(swarm.a.peer, signed_at=revoked_at - 1) is None
     assert swarm.admission.revoked(swarm.a.peer, signed_at=revoked_at + 1) is not None
     assert swarm.admission.revoked(swarm.a.peer) is not None
+    # the signer picks its signing time: a record "signed" before the revocation that would live on
+    # for a day after it is a backdated one
+    live = revoked_at - 1 + 60
+    assert swarm.admission.revoked(swarm.a.peer, signed_at=revoked_at - 1, expires=live) is None
+    backdated = revoked_at + REVOKED_GRACE_S + 60
+    assert swarm.admission.revoked(swarm.a.peer, signed_at=revoked_at - 1, expires=backdated) is not None
+
+
+def test_a_revoked_certificate_is_known_by_its_signed_fields(swarm: SimpleNamespace) -> None:
+    """Re-indented (or with other line ends) it is the same certificate, and still revoked; a check by
+    peer id alone holds the peer to the certificate it last showed."""
+    _, blob = revoke(swarm.key, swarm="test", out=swarm.tmp / "r.json", certificates=[swarm.tmp / "a.cert"])
+    swarm.admission.revoke(blob)
+    reindented = json.dumps(json.loads(swarm.a.cert), indent=7).encode()
+    with pytest.raises(CertificateError, match="revoked its certificate"):
+        swarm.admission.check(reindented, swarm.a.peer)
+    assert swarm.admission.revoked(swarm.a.peer) is not None  # (the one it showed above)
+    assert swarm.admission.revoked(swarm.b.peer) is None
 
 
 def test_a_forged_or_foreign_list_is_refused(swarm: SimpleNamespace, tmp_path: Path) -> None:
@@ -123,8 +141,12 @@ def test_the_dht_validator_applies_a_list_as_it_passes(swarm: SimpleNamespace) -
     assert swarm.admission.revoked(swarm.a.peer) is not None
     garbage = DHTRecord(key, MSGPackSerializer.dumps(2), MSGPackSerializer.dumps(b"{}"), time.time() + 600)
     assert not validator.validate(garbage)
-    forever = DHTRecord(key, MSGPackSerializer.dumps(3), MSGPackSerializer.dumps(blob), time.time() + 10**7)
+    forever = DHTRecord(key, MSGPackSerializer.dumps(1), MSGPackSerializer.dumps(blob), time.time() + 10**7)
     assert not validator.validate(forever)
+    # under its own serial only: list #1 stored as #5 (or as a plain value) would crowd out list #5
+    for subkey in (MSGPackSerializer.dumps(5), MSGPackSerializer.dumps(None)):
+        misfiled = DHTRecord(key, subkey, MSGPackSerializer.dumps(blob), time.time() + 600)
+        assert not validator.validate(misfiled)
 
 
 def test_a_site_given_a_list_that_revokes_it_does_not_start(swarm: SimpleNamespace) -> None:
@@ -196,6 +218,14 @@ def test_the_gate_admits_pass_holders_only_and_remembers_them(swarm: SimpleNames
     assert again.withdraw(lambda peer: swarm.admission.revoked(peer) is not None) == [swarm.a.peer]
     assert not again.admitted("10.77.1.2")
     assert "revoked" in grant(swarm.admission, again, swarm.a.cert, swarm.a.peer, "10.77.1.2")["error"]
+    # a revocation that lands between the check and the pass wins
+    assert not again.allow("10.77.1.3", swarm.b.peer, time.time() + 60, still=lambda: False)
+    assert not again.admitted("10.77.1.3")
+    # an expired pass lets nobody in, and the next withdrawal clears it away
+    again.allow("10.77.1.4", swarm.b.peer, time.time() - 1)
+    assert not again.admitted("10.77.1.4")
+    again.withdraw(lambda peer: False)
+    assert "10.77.1.4" not in again.passes
 
 
 def test_the_relays_sites_are_given_are_the_gate_with_the_relays_id() -> None:
@@ -217,12 +247,19 @@ def test_a_served_state_is_adopted_only_as_its_lineages_holders_signed_it() -> N
     assert attested(good, "x", holders) is None
     assert "is not the one its lineage's holders signed" in attested(forged, "forger", holders)
     lying = [_record("x", good), _record("y", good), _record("forger", forged)]
-    assert "fewer signatures" in attested(forged, "forger", lying)
+    assert "no more signatures" in attested(forged, "forger", lying)
     assert attested(good, "y", lying) is None
+    # two colluders against two honest holders: a tie, so neither state is taken
+    tie = [_record("x", good), _record("y", good), _record("f1", forged), _record("f2", forged)]
+    assert "no more signatures" in attested(forged, "f1", tie)
+    assert "no more signatures" in attested(good, "x", tie)
     # a lineage its server alone holds (a step it took alone): its own record vouches
     assert attested(good, "solo", [_record("solo", good)]) is None
     # two holders that disagree: neither is taken on its own word
     split = [_record("x", good), _record("forger", forged)]
-    assert "only the server signed" in attested(good, "x", split)
-    assert "only the server signed" in attested(forged, "forger", split)
+    assert "no more signatures" in attested(good, "x", split)
+    assert "no more signatures" in attested(forged, "forger", split)
+    # the most signatures, but only the server's among them: another holder must vouch
+    alone = [_record("x", good), _record("forger", forged), _record("forger", forged)]
+    assert "only the server signed" in attested(forged, "forger", alone)
     assert "(yet)" in attested(good, "x", [_record("x", None)])

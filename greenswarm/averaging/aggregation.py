@@ -36,9 +36,11 @@ WEIGHT_TOLERANCE = 1e-6
 
 def trimmed_mean(stacked: torch.Tensor, trim: float) -> torch.Tensor:
     """The coordinate-wise trimmed mean of ``stacked``'s rows: ``floor(trim * n)`` of the largest and of
-    the smallest values of each column left out (fewer if that would leave none), the rest averaged."""
+    the smallest values of each column left out, at least one with any ``trim`` (so a group of three
+    takes the median: 0.25 of three rounds down to none, and one attacker would go straight in) and
+    fewer if that would leave none (a group of two is averaged), the rest averaged."""
     n = stacked.shape[0]
-    cut = min(math.floor(trim * n + 1e-9), (n - 1) // 2)
+    cut = min(max(math.floor(trim * n + 1e-9), 1 if trim > 0 else 0), (n - 1) // 2)
     if cut == 0:
         return stacked.mean(dim=0)
     ordered, _ = torch.sort(stacked, dim=0)

@@ -119,6 +119,7 @@ class SwarmAverager(DecentralizedAverager):
         )
         # hivemind's run_in_background sets SIGINT to "ignore" in *our* process; give Ctrl-C back
         signal.signal(signal.SIGINT, previous_sigint)
+        seam.lock_outer_pipe(self)
 
     def run(self) -> None:
         """The averager process (forked): hivemind's loop, ended when the node dies without a word."""

@@ -115,6 +115,21 @@ class BootstrapPeer:
         gated = cfg.relay and self.admission is not None
         self.gated: GatedRelay | None = None
         self.relays: list[str] = []  # where sites reach the relay
+        self.dht: DHT | None = None
+        try:
+            self._start_all(gated)
+        except BaseException:  # (a gate port in use, a relay that never passed): stop what started
+            if self.gated is not None:
+                self.gated.close()
+            if self.dht is not None:
+                self.dht.shutdown()
+            raise
+
+    def _start_all(self, gated: bool) -> None:
+        """The DHT daemon, the relay (gated or not) checked until it carries a long stream, and the
+        revocation watch."""
+        cfg = self.cfg
+        why = ""
         for attempt in range(1, RELAY_ATTEMPTS + 1):
             if attempt == 1 or not gated:
                 self.dht = self._start(relay_service=cfg.relay and not gated)
@@ -229,6 +244,7 @@ def serve(cfg: BootstrapConfig, as_json: bool = False) -> int:
     except BaseException:
         if endpoint is not None:
             endpoint.close()
+        reap_children()
         raise
     on_termination(peer.stop)
     if endpoint is not None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from greenswarm.errors import ConfigError
 from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
 
@@ -68,6 +69,7 @@ class RelayGate:
         self._open: dict[str, set[asyncio.StreamWriter]] = {}  # ip -> its connections through the gate
         self._refusals = RefusalLog(log)
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="relay-gate", daemon=True)
@@ -75,22 +77,30 @@ class RelayGate:
 
     # ------------------------------------------------------------------ passes
 
-    def allow(self, ip: str, peer: str, until: float) -> None:
-        """Let ``ip`` in for ``peer`` until ``until``."""
+    def allow(self, ip: str, peer: str, until: float, still: Callable[[], bool] | None = None) -> bool:
+        """Let ``ip`` in for ``peer`` until ``until`` -- if ``still()`` holds then, under the lock
+        :meth:`withdraw` takes (a revocation applied between the check and this call wins). Whether
+        the pass was given."""
         with self._lock:
+            if still is not None and not still():
+                return False
             self.passes.setdefault(_canonical(ip), {})[peer] = until
         self._save()
+        return True
 
     def withdraw(self, revoked: Callable[[str], bool]) -> list[str]:
         """Take back every pass of a peer ``revoked`` says is revoked; cut the connections of an
         address left without one. Returns the peers it withdrew."""
         gone: list[str] = []
         closed: list[str] = []
+        now = time.time()
         with self._lock:
             for ip, peers in list(self.passes.items()):
                 for peer in [p for p in peers if revoked(p)]:
                     del peers[peer]
                     gone.append(peer)
+                for peer in [p for p, until in peers.items() if until <= now]:
+                    del peers[peer]  # (an expired pass lets nobody in, and keeps no connection open)
                 if not peers:
                     del self.passes[ip]
                     closed.append(ip)
@@ -133,14 +143,17 @@ class RelayGate:
     def _save(self) -> None:
         if self.passes_path is None:
             return
-        with self._lock:
-            text = json.dumps(self.passes, indent=1, sort_keys=True)
-        tmp = self.passes_path.with_name(self.passes_path.name + ".tmp")
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, self.passes_path)
-        except OSError as e:  # the passes still hold in memory: a restart makes sites ask again
-            log.warning("cannot write %s: %s", self.passes_path, e)
+        # one writer at a time, each writing the passes as they are then: an older snapshot written
+        # last would bring a withdrawn pass back at the next start
+        with self._save_lock:
+            with self._lock:
+                text = json.dumps(self.passes, indent=1, sort_keys=True)
+            tmp = self.passes_path.with_name(self.passes_path.name + ".tmp")
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.passes_path)
+            except OSError as e:  # the passes still hold in memory: a restart makes sites ask again
+                log.warning("cannot write %s: %s", self.passes_path, e)
 
     # ------------------------------------------------------------------ forwarding
 
@@ -157,15 +170,26 @@ class RelayGate:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout)
 
     def bind(self) -> int:
-        """Listen on the gate's address; the bound port."""
-        self._server = self.run(
-            asyncio.start_server(self._handle, self.host, self.port, reuse_address=True), 10
-        )
+        """Listen on the gate's address; the bound port. :class:`ConfigError` naming ``--relay-port``
+        when the address cannot be bound (in use, not this host's)."""
+        try:
+            self._server = self.run(
+                asyncio.start_server(self._handle, self.host, self.port, reuse_address=True), 10
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"cannot listen on {self.host}:{self.port} for the members-only relay: {e.strerror or e}",
+                field="--relay-port",
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ip = _canonical(str(writer.get_extra_info("peername")[0]))
+        peername = writer.get_extra_info("peername")
+        if not peername:  # the client is gone already
+            writer.close()
+            return
+        ip = _canonical(str(peername[0]))
         if not self.admitted(ip):
             self.refused += 1
             self._refusals.warn(
@@ -173,11 +197,19 @@ class RelayGate:
             )
             writer.close()
             return
+        opened = self._open.setdefault(ip, set())
+        opened.add(writer)  # (before the wait below: a withdrawal meanwhile closes it)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError as e:
             log.warning("relay: the relay daemon does not answer (%s)", e)
+            opened.discard(writer)
             writer.close()
+            return
+        if not self.admitted(ip) or writer.is_closing():  # withdrawn while the daemon answered
+            opened.discard(writer)
+            for w in (writer, up_writer):
+                w.close()
             return
         self.forwarded += 1
         self._open.setdefault(ip, set()).update((writer, up_writer))
@@ -229,17 +261,22 @@ def _canonical(ip: str) -> str:
 
 
 def grant(
-    admission: Admission, gate: RelayGate, certificate: bytes, peer: str, ip: str | None
+    admission: Admission, gate: RelayGate, certificate: bytes, peer: str, ips: list[str] | str | None
 ) -> dict[str, Any]:
-    """The bootstrap's answer to a pass request from ``peer`` (its certificate, the address its
-    connection came from): a pass for that address until the certificate expires, or why not."""
+    """The bootstrap's answer to a pass request from ``peer`` (its certificate, the addresses its
+    connections came from): a pass for those addresses until the certificate expires, or why not."""
+    ips = [ips] if isinstance(ips, str) else list(ips or [])
     try:
         membership = admission.check(certificate, peer)
     except CertificateError as e:
         return {"error": f"no relay pass: {e}"}
-    if ip is None:
+    if not ips:
         return {"error": "no relay pass: the bootstrap cannot see which address this connection came from"}
-    gate.allow(ip, peer, membership.expires)
+    ip = ", ".join(ips)
+    still_member = lambda: admission.revoked(peer, certificate) is None  # noqa: E731
+    if not all(gate.allow(one, peer, membership.expires, still=still_member) for one in ips):
+        gate.withdraw(lambda p: p == peer)
+        return {"error": "no relay pass: this peer was revoked meanwhile"}
     log.info("relay: a pass for %s (site %s, %s) until %s", ip, membership.site, peer, membership.expires)
     return {"until": membership.expires}
 
@@ -272,9 +309,9 @@ class GatedRelay:
         """Start the relay daemon, the gate and the pass service; the relay's addresses for sites."""
         self.gate.start_loop()
         self.gate.run(self._start_daemon())
-        self.gate.run(self._serve_passes(dht))
         port = self.gate.bind()
-        self.relays = _relay_maddrs(bootstrap_maddrs, port, self.peer_id)
+        self.relays = _relay_maddrs(bootstrap_maddrs, port, self.peer_id, self.listen_host)
+        self.gate.run(self._serve_passes(dht))  # (last: a pass always comes with where the relay is)
         return self.relays
 
     async def _start_daemon(self) -> None:
@@ -309,8 +346,9 @@ class GatedRelay:
 
         async def answer(request: bytes, remote_id: Any) -> bytes:
             peer = remote_id.to_base58()
-            ip = await _remote_ip(self._replica, remote_id)
-            reply = grant(self.admission, self.gate, bytes(request), peer, ip)
+            ips = await _remote_ips(self._replica, remote_id)
+            ip = ", ".join(ips) or None
+            reply = grant(self.admission, self.gate, bytes(request), peer, ips)
             if "error" not in reply:
                 reply["relays"] = self.relays
             else:
@@ -335,23 +373,28 @@ class GatedRelay:
         self.gate.close()
 
 
-async def _remote_ip(p2p: Any, peer: Any) -> str | None:
-    """The IP address the bootstrap's daemon sees ``peer``'s connection come from."""
+async def _remote_ips(p2p: Any, peer: Any) -> list[str]:
+    """The IP addresses the bootstrap's daemon sees ``peer``'s direct connections come from (not its
+    relayed ones: a circuit's address is the relay's)."""
+    ips: list[str] = []
     for info in await p2p.list_peers():
         if info.peer_id == peer:
             for addr in info.addrs:
                 parts = str(addr).split("/")
-                if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-                    return parts[2]
-    return None
+                if len(parts) > 2 and parts[1] in ("ip4", "ip6") and "p2p-circuit" not in parts:
+                    ips.append(parts[2])
+    return list(dict.fromkeys(ips))
 
 
-def _relay_maddrs(bootstrap_maddrs: list[str], port: int, relay_id: str) -> list[str]:
-    """The relay's addresses: each of the bootstrap's TCP addresses, at the gate's port, with the
-    relay daemon's peer id."""
+def _relay_maddrs(
+    bootstrap_maddrs: list[str], port: int, relay_id: str, gate_host: str = "0.0.0.0"
+) -> list[str]:
+    """The relay's addresses: each of the bootstrap's TCP addresses of the family the gate listens
+    on, at the gate's port, with the relay daemon's peer id."""
+    family = "ip6" if ":" in gate_host else "ip4"
     out = []
     for m in bootstrap_maddrs:
         parts = m.split("/")
-        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+        if len(parts) >= 5 and parts[1] == family and parts[3] == "tcp":
             out.append(f"/{parts[1]}/{parts[2]}/tcp/{port}/p2p/{relay_id}")
     return list(dict.fromkeys(out))

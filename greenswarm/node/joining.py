@@ -108,7 +108,12 @@ def join_swarm(
     # (node/relay_pass.py), for a site reached directly too, which dials NAT'ed sites through it
     relays = swarm.initial_peers
     if admission is not None and swarm.initial_peers:
-        relays = relays_for(swarm.initial_peers, swarm.identity, admission.certificate)
+        relays = relays_for(
+            swarm.initial_peers,
+            swarm.identity,
+            admission.certificate,
+            retry_delays_s=tuple(swarm.join_retry_s),
+        )
     if reachability == "relay":
         # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
         # it for DHT queries cheaply, so it does not serve them)

@@ -69,16 +69,33 @@ def show_progress(
     as_json: bool,
     watch: float | None,
     authority: str | None = None,
+    revocations: str | None = None,
 ) -> int:
     """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them.
-    With ``authority`` (the swarm authority's public key) only certified members' records are shown."""
+    With ``authority`` (the swarm authority's public key) only certified members' records are shown,
+    and none of a member that the swarm's revocation list (``revocations``, and the newest on the DHT)
+    names."""
     from rich.live import Live
 
-    from greenswarm.node.progress import fetch_records, open_reader
+    from greenswarm.node import progress
+    from greenswarm.node.progress import open_reader
+    from greenswarm.node.revocations import RevocationWatch
     from greenswarm.security.admission import Admission
 
     admission = Admission.from_files(swarm, authority) if authority else None
+    if admission is not None:
+        admission.load_revocations(revocations)
     dht = open_reader(initial_peers, swarm, admission=admission)
+    watch_list = RevocationWatch(dht, admission, "") if admission is not None else None
+    if watch_list is not None:
+        watch_list.poll_now()
+
+    def fetch_records(dht: object, swarm: str) -> list:
+        records = progress.fetch_records(dht, swarm)
+        if admission is None:
+            return records
+        return [r for r in records if admission.revoked(r.peer_id) is None]
+
     console = wide_console()
     try:
         if watch is None:
@@ -115,4 +132,6 @@ def show_progress(
     except KeyboardInterrupt:
         return 0
     finally:
+        if watch_list is not None:
+            watch_list.close()
         dht.shutdown()

@@ -50,10 +50,14 @@ async def _ask(
                 await asyncio.wait_for(
                     seam.dial(p2p, peer, Multiaddr(maddr.rsplit("/p2p/", 1)[0])), timeout_s
                 )
+            except Exception as e:  # this bootstrap does not answer (yet): tried again
+                answers[maddr] = {"unreachable": f"{type(e).__name__}: {e}"}
+                continue
+            try:
                 reply = await asyncio.wait_for(
                     seam.call_unary(p2p, peer, PASS_PROTOCOL, certificate), timeout_s
                 )
-            except Exception as e:  # this bootstrap does not answer, or offers no gated relay
+            except Exception as e:  # this bootstrap offers no gated relay (an open swarm's, an older one)
                 answers[maddr] = {"unavailable": f"{type(e).__name__}: {e}"}
                 continue
             try:
@@ -69,19 +73,42 @@ async def _ask(
 
 
 def relays_for(
-    initial_peers: list[str], identity: str, certificate: bytes, timeout_s: float = 15.0
+    initial_peers: list[str],
+    identity: str,
+    certificate: bytes,
+    timeout_s: float = 15.0,
+    retry_delays_s: tuple[float, ...] = (),
 ) -> list[str]:
     """The relay addresses this member is let through to; its initial peers when no bootstrap offers a
-    members-only relay; :class:`SwarmError` when one refuses this site's pass (saying why)."""
+    members-only relay; :class:`SwarmError` when one refuses this site's pass (saying why). While no
+    initial peer answers at all it tries again after each of ``retry_delays_s`` (``swarm.join_retry_s``,
+    as the join does)."""
+    import time
+
     answers = asyncio.run(_ask(initial_peers, identity, certificate, timeout_s))
+    for delay in retry_delays_s:
+        if not answers or not all("unreachable" in a for a in answers.values()):
+            break
+        log.info("no bootstrap answered the relay pass request; trying again in %g s", delay)
+        time.sleep(delay)
+        answers = asyncio.run(_ask(initial_peers, identity, certificate, timeout_s))
     for maddr, answer in answers.items():
         if "error" in answer:
             raise SwarmError(f"the bootstrap {maddr} refused this site its relay pass: {answer['error']}")
         if answer.get("relays"):
             log.info("relay pass granted by %s: reached through %s", maddr, ", ".join(answer["relays"]))
             return list(answer["relays"])
-    log.info(
-        "no bootstrap offers a members-only relay (%s): relaying through the initial peers",
-        "; ".join(f"{m}: {a.get('unavailable', a)}" for m, a in answers.items()) or "none answered",
-    )
+    said = "; ".join(f"{m}: {a.get('unreachable') or a.get('unavailable', a)}" for m, a in answers.items())
+    if answers and all("unreachable" in a for a in answers.values()):
+        log.warning(
+            "no bootstrap answered this site's relay pass request (%s): relaying through the initial "
+            "peers, which in a certified swarm relay for nobody (behind NAT, restart the site once the "
+            "bootstrap is up)",
+            said,
+        )
+    else:
+        log.info(
+            "no bootstrap offers a members-only relay (%s): relaying through the initial peers",
+            said or "none answered",
+        )
     return list(initial_peers)

@@ -43,6 +43,7 @@ class RevocationWatch:
         self.apply = apply or (lambda blob: None)
         self.poll_s, self.store_s = poll_s, store_s
         self.revoked_self: str | None = None  # why this site itself was revoked (then it stops)
+        self._pending: bytes | None = None  # a list the averager process has not taken yet
         self._stored_serial = -1
         self._stored_at = -float("inf")
         self._stop = threading.Event()
@@ -53,7 +54,10 @@ class RevocationWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.poll_now()
+            try:
+                self.poll_now()
+            except Exception as e:  # never the end of the watch: the next poll tries again
+                log.warning("the revocation watch failed a poll: %r", e)
             self._stop.wait(self.poll_s)
 
     def poll_now(self) -> None:
@@ -78,10 +82,18 @@ class RevocationWatch:
                     "revocation list #%d in force: %d member(s) revoked", applied.serial, len(applied.entries)
                 )
                 self._applied(blob)
+        if self._pending is not None:
+            self._applied(self._pending)
         self._store_if_due()
 
     def _applied(self, blob: bytes) -> None:
-        self.apply(blob)
+        try:
+            self.apply(blob)
+        except Exception as e:  # the averager process busy or gone: this process applied it; retried below
+            log.warning("could not apply the revocation list in the averager process yet: %s", e or repr(e))
+            self._pending = blob
+        else:
+            self._pending = None
         why = self.admission.revoked(self.me, self.admission.certificate)
         if why is not None and self.revoked_self is None:
             self.revoked_self = why
@@ -143,7 +155,11 @@ def publish(initial_peers: list[str], admission: Admission, timeout_s: float = 3
             subkey=revocations.serial,
             return_future=True,
         )
-        return bool(future.result(timeout=timeout_s))
+        try:
+            return bool(future.result(timeout=timeout_s))
+        except Exception as e:  # no DHT node answered in time: the caller says so, in one line
+            log.warning("storing the revocation list on the DHT failed: %r", e)
+            return False
     finally:
         dht.shutdown()
         reap_children()

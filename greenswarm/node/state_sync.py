@@ -51,18 +51,19 @@ def attested(digest: str, server: str, records: Sequence[Any]) -> str | None:
     lineage's holders signed, or None to adopt it. ``records`` are the live signed progress records
     that claim the served (outer step, lineage) -- the server's own among them, if it published one.
 
-    The state is adopted when its digest is the one the most of those records attest (none attests
-    another more often), and a holder other than the server attests it too -- or the server is the
-    only holder of that lineage (a step it took alone: nobody else can vouch for it). So one member
-    serving a forged state under a lineage others hold is refused whether or not its own record lies."""
+    The state is adopted when its digest is the one the most of those records attest (every other
+    digest has fewer: a tie is no verdict, and the site tries again later), and a holder other than
+    the server attests it too -- or the server is the only holder of that lineage (a step it took
+    alone: nobody else can vouch for it). So one member serving a forged state under a lineage others
+    hold is refused whether or not its own record lies."""
     votes = Counter(r.state_digest for r in records if getattr(r, "state_digest", None))
     if not votes:
         return "no live member's record attests a state at that outer step and lineage (yet)"
     tally = ", ".join(f"{d[:12]}x{n}" for d, n in votes.most_common())
     if votes[digest] == 0:
         return f"its digest {digest[:12]} is not the one its lineage's holders signed ({tally})"
-    if votes[digest] < max(votes.values()):
-        return f"its digest {digest[:12]} has fewer signatures than another ({tally})"
+    if any(votes[digest] <= n for other, n in votes.items() if other != digest):
+        return f"its digest {digest[:12]} has no more signatures than another ({tally})"
     holders = {r.peer_id for r in records}
     vouched = [r for r in records if r.peer_id != server and r.state_digest == digest]
     if not vouched and holders - {server}:

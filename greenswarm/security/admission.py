@@ -37,6 +37,10 @@ from greenswarm.security.revocation import parse as parse_revocations
 
 #: how many signature-checked certificates a process remembers (they are small; peers are few)
 _CACHE_SIZE = 4096
+#: a record a revoked peer says it signed before its revocation is still accepted (and ignored by
+#: readers) only if it expires within this many seconds of the revocation: greenswarm's own records
+#: live seconds to minutes, and a backdated one cannot outlive this
+REVOKED_GRACE_S = 3600.0
 
 
 @dataclass
@@ -50,6 +54,9 @@ class Admission:
     revocations: RevocationList | None = None  # the newest revocation list this process has seen
     revocation_bytes: bytes = b""  # ... as the authority signed it (what is stored again on the DHT)
     _checked: dict[bytes, Membership] = field(default_factory=dict, repr=False)
+    # peer -> the certificate it last showed here: what a check by peer id alone (a served state, the
+    # relay's passes) holds against a revocation of one certificate
+    _shown: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_files(
@@ -65,11 +72,17 @@ class Admission:
                 raise CertificateError(f"{certificate}: cannot read certificate: {e.strerror}") from None
         return cls(swarm=swarm, authority=public, certificate=blob)
 
-    def revoke(self, blob: bytes, source: str = "a revocation list") -> RevocationList | None:
+    def revoke(
+        self, blob: bytes, source: str = "a revocation list", serial: int | None = None
+    ) -> RevocationList | None:
         """Apply a signed revocation list (its bytes) if it is newer than the one in force; the list
         now in force if it changed, None if ``blob`` was no newer. :class:`CertificateError` when it
-        does not verify."""
+        does not verify, or (given ``serial``: the subkey it was stored under) is another serial."""
         revocations = parse_revocations(blob, self.authority, self.swarm, source)
+        if serial is not None and serial != revocations.serial:
+            raise CertificateError(
+                f"{source}: revocation list #{revocations.serial} stored under serial {serial}"
+            )
         if self.revocations is not None and revocations.serial <= self.revocations.serial:
             return None
         self.revocations, self.revocation_bytes = revocations, bytes(blob)
@@ -84,24 +97,41 @@ class Admission:
             self.revoke(Path(path).read_bytes(), str(path))
 
     def revoked(
-        self, peer_id: str, certificate: bytes | None = None, signed_at: float | None = None
+        self,
+        peer_id: str,
+        certificate: bytes | None = None,
+        signed_at: float | None = None,
+        expires: float | None = None,
     ) -> str | None:
-        """Why ``peer_id`` (holding ``certificate``) is revoked, or None. ``signed_at``: for something
-        it signed then (a DHT record), which counts only if signed after the revocation -- a record
-        stored before it stays readable until it expires (see
-        :mod:`greenswarm.security.revocation`), and readers ignore it."""
+        """Why ``peer_id`` (holding ``certificate``; by default the one it last showed here) is revoked,
+        or None. ``signed_at`` and ``expires``: for a DHT record, which counts only if signed after
+        the revocation -- a record stored before it stays readable until it expires (see
+        :mod:`greenswarm.security.revocation`), and readers ignore it. The signer chooses its
+        ``signed_at``, so a record that says it was signed before the revocation must also expire
+        within :data:`REVOKED_GRACE_S` of it: a revoked peer cannot backdate records that live on."""
         if self.revocations is None:
             return None
+        if certificate is None:
+            certificate = self._shown.get(peer_id)
         entry = self.revocations.revoked(peer_id, certificate)
-        if entry is None or (signed_at is not None and signed_at < entry.revoked_at):
+        if entry is None:
             return None
+        if signed_at is not None and signed_at < entry.revoked_at:
+            if expires is None or expires <= entry.revoked_at + REVOKED_GRACE_S:
+                return None
         return self.revocations.describe(entry)
 
     def check(
-        self, certificate: Any, peer_id: str, now: float | None = None, signed_at: float | None = None
+        self,
+        certificate: Any,
+        peer_id: str,
+        now: float | None = None,
+        signed_at: float | None = None,
+        expires: float | None = None,
     ) -> Membership:
         """The membership of ``peer_id`` proven by ``certificate`` (bytes a peer showed); raises
-        :class:`CertificateError` naming the peer and what failed (``signed_at``: see :meth:`revoked`)."""
+        :class:`CertificateError` naming the peer and what failed (``signed_at``, ``expires``: see
+        :meth:`revoked`)."""
         source = f"certificate of peer {peer_id}"
         if not certificate:
             raise CertificateError(f"peer {peer_id} showed no membership certificate")
@@ -121,7 +151,10 @@ class Admission:
         # the cheap half runs every time: a certificate that was valid a minute ago may have expired,
         # or been revoked
         checked = check_binding(membership, source, swarm=self.swarm, peer_id=peer_id, now=now)
-        why = self.revoked(peer_id, bytes(certificate), signed_at)
+        if len(self._shown) >= _CACHE_SIZE:
+            self._shown.clear()
+        self._shown[peer_id] = bytes(certificate)
+        why = self.revoked(peer_id, bytes(certificate), signed_at, expires)
         if why is not None:
             raise CertificateError(f"{source}: {why}")
         return checked

@@ -16,6 +16,7 @@ expires)``. Every refusal says which of these failed (:class:`CertificateError`)
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -64,8 +65,6 @@ _REQUIRED = frozenset(("swarm", "site", "region", "peer_id", "issued", "expires"
 
 def fingerprint(public_raw: bytes) -> str:
     """A short, stable name for an authority public key (hex of its first 8 bytes of SHA-256)."""
-    import hashlib
-
     return hashlib.sha256(public_raw).hexdigest()[:16]
 
 
@@ -203,6 +202,20 @@ def parse_certificate(blob: bytes, source: str) -> tuple[Membership, bytes]:
     if membership.format != FORMAT:
         raise CertificateError(f"{source}: unknown certificate format {membership.format!r}")
     return membership, signature
+
+
+def certificate_id(membership: Membership, signature: bytes) -> str:
+    """What names one certificate: the SHA-256 (hex) of its signed fields and signature. Not of a
+    file's bytes: the same certificate re-indented, or with other line ends, is the same one."""
+    return hashlib.sha256(membership.canonical() + b"." + signature).hexdigest()
+
+
+def certificate_id_of(blob: bytes) -> str | None:
+    """:func:`certificate_id` of a certificate's bytes; None for bytes that hold no certificate."""
+    try:
+        return certificate_id(*parse_certificate(bytes(blob), "certificate"))
+    except CertificateError:
+        return None
 
 
 def verify(

@@ -169,7 +169,9 @@ class MemberRecordValidator(RecordValidatorBase):
             ) from None
         now = time.time() if now is None else now
         try:
-            membership = self.admission.check(certificate, writer, now=now, signed_at=signed_at)
+            membership = self.admission.check(
+                certificate, writer, now=now, signed_at=signed_at, expires=record.expiration_time
+            )
         except CertificateError as e:
             raise RecordRefused(f"refused a DHT record from {writer}: {e}") from None
         if signed_at > now + CLOCK_SKEW_S:
@@ -201,7 +203,12 @@ class MemberRecordValidator(RecordValidatorBase):
         if record.expiration_time > time.time() + MAX_TTL_S + CLOCK_SKEW_S:
             raise RecordRefused(f"refused a revocation list record that would live beyond {MAX_TTL_S:.0f} s")
         try:
-            applied = self.admission.revoke(blob, "a revocation list stored on the DHT")
+            # under its own serial only: an old list stored under a later serial (or as a plain value,
+            # which replaces the whole dictionary) would otherwise crowd the newest list out
+            serial = _first_object(record.subkey) if record.subkey else None
+            if isinstance(serial, bool) or not isinstance(serial, int):
+                raise CertificateError("a revocation list stored under no serial subkey")
+            applied = self.admission.revoke(blob, "a revocation list stored on the DHT", serial=serial)
         except CertificateError as e:
             raise RecordRefused(f"refused {e}") from None
         if applied is not None:

@@ -24,7 +24,6 @@ passes through), its join requests and groups, its state downloads and its serve
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,8 @@ from typing import Any
 from greenswarm.private_files import write_private
 from greenswarm.security.certificates import (
     CertificateError,
+    certificate_id,
+    certificate_id_of,
     fingerprint,
     load_authority,
     raw_public,
@@ -55,14 +56,14 @@ class Revoked:
 
     peer_id: str
     revoked_at: float
-    certificate: str | None = None  # hex SHA-256 of the certificate file's bytes; None: every one
+    certificate: str | None = None  # its certificate_id (signed fields and signature); None: every one
     reason: str = ""
 
     def covers(self, peer_id: str, certificate: bytes | None) -> bool:
         if peer_id != self.peer_id:
             return False
         return self.certificate is None or (
-            certificate is not None and hashlib.sha256(certificate).hexdigest() == self.certificate
+            certificate is not None and certificate_id_of(certificate) == self.certificate
         )
 
 
@@ -172,8 +173,14 @@ def revoke(
         membership, _signature = read_certificate(cert)
         if membership.swarm != swarm:
             raise CertificateError(f"{cert}: a certificate of swarm {membership.swarm!r}, not {swarm!r}")
-        digest = hashlib.sha256(Path(cert).read_bytes()).hexdigest()
-        added.append(Revoked(peer_id=membership.peer_id, revoked_at=now, certificate=digest, reason=reason))
+        added.append(
+            Revoked(
+                peer_id=membership.peer_id,
+                revoked_at=now,
+                certificate=certificate_id(membership, _signature),
+                reason=reason,
+            )
+        )
     if not added:
         raise CertificateError("swarm revoke: name a --peer-id or a --cert to revoke")
     entries += [e for e in added if e not in entries]
@@ -185,7 +192,10 @@ def revoke(
         entries=tuple(entries),
     )
     blob = encode(revocations, key.sign(revocations.canonical()))
-    write_private(out, blob)
+    try:
+        write_private(out, blob)
+    except OSError as e:
+        raise CertificateError(f"{out}: cannot write the revocation list: {e.strerror or e}") from None
     return revocations, blob
 
 
