@@ -157,7 +157,7 @@ def test_agreeing_group_applies_in_the_groups_slot() -> None:
         GENESIS,
         3,
     )
-    assert call["gather"] == {"site": "me", "tokens": 64, "outer_round": 0, "recent": 0.0}
+    assert call["gather"] == {"site": "me", "outer_round": 0, "recent": 0.0}  # (the claim: the weight)
     assert fed.wire_rounds == {"int8": 1} and fed.round_seconds == [0.5]
 
 
@@ -314,6 +314,7 @@ class Head:
     site: str
     outer_round: int
     lineage: str
+    peer_id: str = B
 
 
 class FakeView:
@@ -343,6 +344,20 @@ def test_catch_up_ignores_a_head_that_is_not_ahead() -> None:
     sync = StateSync(state, ranks, lambda peers: pytest.fail("downloaded"), threading.Event(), 1)
     assert not sync.catch_up(FakeView(Head("b", 0, GENESIS)), in_window_only=True)
     assert not sync.catch_up(FakeView(None), in_window_only=True)
+
+
+def test_between_rounds_a_state_that_ranks_above_is_taken_once() -> None:
+    """Two groups formed at one boundary step on two lineages; the faster group's catch-up at the next
+    boundary comes before the slower one has published, so between rounds a site looks again: once
+    per state it sees, whether or not the download worked."""
+    state, ranks = global_state(1.0), FakeRanks(torch.ones(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 1)
+    assert not sync.heal_due(FakeView(None))
+    assert not sync.heal_due(FakeView(Head("b", 0, GENESIS)))  # this site's own state: nothing to take
+    other = FakeView(Head("b", 0, "~" + GENESIS))  # the same outer step, a lineage that ranks above
+    assert sync.heal_due(other)
+    assert not sync.heal_due(other)  # tried: not again until the head moves
+    assert sync.heal_due(FakeView(Head("b", 1, GENESIS)))
 
 
 def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixture) -> None:

@@ -157,6 +157,8 @@ class SiteNode:
                 self._train_step()
                 if self.round_handler.ready():
                     self._finish_round()  # the group's result arrived while this site trained on
+                if state is FEDERATED and self._between_rounds() and self.sync.heal_due(self.swarm.view):
+                    self._catch_up(in_window_only=True)  # another group stepped a lineage that ranks above
                 if self._round_due():
                     began = time.monotonic()  # (the poll holds training up too: the round log counts it)
                     self.swarm.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
@@ -261,6 +263,10 @@ class SiteNode:
     def _partners(self) -> int:
         """How many other sites are in a window now (a round expects every one of them)."""
         return len(self.swarm.view.others_in_window())
+
+    def _between_rounds(self) -> bool:
+        """No round in flight, and the next boundary not yet due (a catch-up then would only be redone)."""
+        return self.round_handler.in_flight is None and not self._round_due()
 
     def _catch_up(self, in_window_only: bool) -> None:
         """Adopt a more advanced global state held by a live site, if there is one."""

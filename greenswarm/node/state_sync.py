@@ -116,6 +116,7 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.verify = verify  # None: a served state is taken as it is (an open swarm's choice)
         self.refused: dict[str, str] = {}  # peer -> why the last state it served was refused
+        self._healing: tuple[str, int, str] | None = None  # the head heal_due last answered for
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
@@ -178,6 +179,22 @@ class StateSync:
             self.state.outer_round,
             time.monotonic() - started,
         )
+        return True
+
+    def heal_due(self, view: SwarmView) -> bool:
+        """Whether a site in a window now holds a state that ranks above this site's, and this site has
+        not tried to adopt that very state already: checked between rounds, from the view's last poll
+        (no DHT call). Two groups that formed at one boundary step two lineages on; the catch-up at
+        each boundary comes right after this site's own round, before a slower group has published
+        its step, so without a look between rounds the faster group would never see the other ahead
+        and the swarm would stay split (seen: 2 + 3 sites, for every round after)."""
+        head = view.head(in_window_only=True)
+        if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
+            return False
+        seen = (head.peer_id, head.outer_round, head.lineage)
+        if seen == self._healing:
+            return False
+        self._healing = seen
         return True
 
     def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:
