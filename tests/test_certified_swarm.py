@@ -80,12 +80,16 @@ def test_members_refuse_poison_and_never_see_the_outsider(swarm: Swarm, tmp_path
     assert sum(s["refused_updates"] for s in honest) >= 1, [s["refused_updates"] for s in honest]
     logs = swarm.log("a") + swarm.log("b")
     assert "refused the update of p" in logs
-    # b's claim of a billion tokens counted as MAX_TOKENS_PER_S x the round's wall seconds, at a and p
+    # b's claim of a billion tokens counted as MAX_TOKENS_PER_S x the round's wall seconds, by every
+    # member of the group it claimed it in (whichever of a and p that round held)
     assert "fault injected: claim-tokens" in swarm.log("b")
     bounded = f"bounded the weight of b: it claimed 1,000,000,000 tokens in a {SYNC_S / SPEEDUP:g} s round"
-    assert bounded in swarm.log("a") and bounded in swarm.log("p"), swarm.log("a")[-3000:]
-    clipped = [e for n in ("a", "p") for e in read_rounds(tmp_path / n / "rounds.jsonl") if e.get("clipped")]
+    clipped = [e for e in read_rounds(tmp_path / "b" / "rounds.jsonl") if e.get("clipped")]
     assert clipped and all(set(e["clipped"]) == {"b"} for e in clipped), clipped
+    for entry in clipped:
+        for member in entry["members"]:
+            assert bounded in swarm.log(member), (member, swarm.log(member)[-3000:])
+    assert any(len(e["members"]) >= 2 for e in clipped), clipped
     for name in MEMBERS:
         for entry in read_rounds(tmp_path / name / "rounds.jsonl"):
             assert "x" not in entry["members"], entry
