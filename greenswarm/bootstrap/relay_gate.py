@@ -261,11 +261,10 @@ def _canonical(ip: str) -> str:
 
 
 def grant(
-    admission: Admission, gate: RelayGate, certificate: bytes, peer: str, ips: list[str] | str | None
+    admission: Admission, gate: RelayGate, certificate: bytes, peer: str, ips: list[str]
 ) -> dict[str, Any]:
     """The bootstrap's answer to a pass request from ``peer`` (its certificate, the addresses its
     connections came from): a pass for those addresses until the certificate expires, or why not."""
-    ips = [ips] if isinstance(ips, str) else list(ips or [])
     try:
         membership = admission.check(certificate, peer)
     except CertificateError as e:
@@ -273,7 +272,10 @@ def grant(
     if not ips:
         return {"error": "no relay pass: the bootstrap cannot see which address this connection came from"}
     ip = ", ".join(ips)
-    still_member = lambda: admission.revoked(peer, certificate) is None  # noqa: E731
+
+    def still_member() -> bool:
+        return admission.revoked(peer, certificate) is None
+
     if not all(gate.allow(one, peer, membership.expires, still=still_member) for one in ips):
         gate.withdraw(lambda p: p == peer)
         return {"error": "no relay pass: this peer was revoked meanwhile"}
@@ -347,7 +349,7 @@ class GatedRelay:
         async def answer(request: bytes, remote_id: Any) -> bytes:
             peer = remote_id.to_base58()
             ips = await _remote_ips(self._replica, remote_id)
-            ip = ", ".join(ips) or None
+            ip = ", ".join(ips) or "no direct address"
             reply = grant(self.admission, self.gate, bytes(request), peer, ips)
             if "error" not in reply:
                 reply["relays"] = self.relays

@@ -90,7 +90,8 @@ def show_progress(
     if watch_list is not None:
         watch_list.poll_now()
 
-    def fetch_records(dht: object, swarm: str) -> list:
+    def members_records() -> list:
+        """The live records, less those of members the revocation list names."""
         records = progress.fetch_records(dht, swarm)
         if admission is None:
             return records
@@ -99,12 +100,12 @@ def show_progress(
     console = wide_console()
     try:
         if watch is None:
-            records = fetch_records(dht, swarm)
+            records = members_records()
             for _ in range(6):  # a just-started client may need a moment before lookups find the records
                 if records:
                     break
                 time.sleep(0.5)
-                records = fetch_records(dht, swarm)
+                records = members_records()
             if as_json:
                 print(records_json(records))
             elif records:
@@ -115,19 +116,17 @@ def show_progress(
             return 0
         if as_json:
             while True:
-                print(records_json(fetch_records(dht, swarm), indent=None), flush=True)
+                print(records_json(members_records(), indent=None), flush=True)
                 time.sleep(watch)
         if not console.is_terminal:  # a pipe or a file: one table per refresh, no cursor tricks
             while True:
-                console.print(
-                    progress_table(fetch_records(dht, swarm), title=f"swarm '{swarm}' at {time.ctime()}")
-                )
+                console.print(progress_table(members_records(), title=f"swarm '{swarm}' at {time.ctime()}"))
                 time.sleep(watch)
         with Live(
             progress_table([], title=f"swarm '{swarm}'"), console=console, refresh_per_second=4
         ) as live:
             while True:
-                live.update(progress_table(fetch_records(dht, swarm), title=f"swarm '{swarm}'"))
+                live.update(progress_table(members_records(), title=f"swarm '{swarm}'"))
                 time.sleep(watch)
     except KeyboardInterrupt:
         return 0

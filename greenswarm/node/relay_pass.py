@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from greenswarm.errors import SwarmError
@@ -83,8 +84,6 @@ def relays_for(
     members-only relay; :class:`SwarmError` when one refuses this site's pass (saying why). While no
     initial peer answers at all it tries again after each of ``retry_delays_s`` (``swarm.join_retry_s``,
     as the join does)."""
-    import time
-
     answers = asyncio.run(_ask(initial_peers, identity, certificate, timeout_s))
     for delay in retry_delays_s:
         if not answers or not all("unreachable" in a for a in answers.values()):
