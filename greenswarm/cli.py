@@ -184,6 +184,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     prog.add_argument("--json", action="store_true", help="print records as JSON")
     prog.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    prog.add_argument(
+        "--shards",
+        action="store_true",
+        help="show the swarm's claimed data shards instead (data.sharding: claim): each shard's epoch, "
+        "how far it is read and which site holds it",
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -614,6 +620,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             watch=args.watch,
             authority=args.authority,
             revocations=args.revocations,
+            shards=args.shards,
         )
     if args.command == "demo":
         from greenswarm.demo import DemoOptions, run_demo

@@ -179,11 +179,30 @@ class SiteConfig:
             raise ConfigError(f"{self.name!r}: use up to 64 letters, digits, '.', '-' or '_'", field="name")
         if not self.region.strip():
             raise ConfigError("must name a region (a column of the trace)", field="region")
-        if self.eval.enabled:  # a loss measured on documents the site trains on would pick the wrong "best"
+        if self.data.claimed:  # claimed shards leave the held-out shard to nobody (shard_claims.py)
+            self._check_claimed()
+        elif self.eval.enabled:  # a loss measured on documents the site trains on would pick the wrong "best"
             try:
                 self.eval.check_against(self.data)
             except ConfigError as e:
                 raise e.located("eval") from None
+
+    def _check_claimed(self) -> None:
+        """With ``data.sharding: claim`` the held-out shard is one of the swarm's shards, left out of
+        every claim, and at least one shard is left to claim."""
+        count = self.data.num_shards
+        if self.eval.num_shards not in (0, count):
+            raise ConfigError(
+                f"with data.sharding 'claim' the held-out shard is one of data.num_shards ({count}): "
+                f"leave eval.num_shards at 0 or set it to {count}, got {self.eval.num_shards}",
+                field="eval.num_shards",
+            )
+        if count < 2:
+            raise ConfigError(
+                "with sharding 'claim' the swarm's corpus needs at least 2 shards (one is held out for "
+                f"evaluation), and many more than the swarm's ranks: got {count}",
+                field="data.num_shards",
+            )
 
     def load_trace(self, path: str | None = None) -> Trace:
         """The site's trace (or the file at ``path``, read the same way), refused when it lacks the

@@ -76,6 +76,13 @@ SHUFFLE_BUFFER = 10_000
 KEYS_BY_FILE = "file"
 KEYS_BY_INDEX = "index"
 
+#: ``data.sharding``: a shard set in the config, or shards claimed through the DHT
+SHARDINGS = ("fixed", "claim")
+#: the fields of :class:`DataConfig` that say how shards are handed out, not which documents a shard holds
+CLAIM_FIELDS = ("sharding", "lease_s", "claim_settle_s")
+#: the most shards a claimed corpus may be cut into (every site's shard record lists what it knows of each)
+MAX_CLAIMED_SHARDS = 4096
+
 
 @dataclass
 class DataConfig:
@@ -88,9 +95,29 @@ class DataConfig:
     shard_index: int = 0
     num_shards: int = 1
     seed: int = 0  # document order: epoch e is shuffled with seed + e
+    # "fixed": this site reads shard ``shard_index`` of ``num_shards`` (private per-site data, or shards
+    # set by hand); "claim": the swarm's ``num_shards`` shards are claimed through the DHT with expiring
+    # leases (node/shard_claims.py, docs/data.md), each read once per epoch by whichever site holds it
+    sharding: str = "fixed"
+    lease_s: float = 60.0  # "claim": a claimed shard is free this long after its holder last renewed it
+    claim_settle_s: float = 1.0  # "claim": wait this long after a claim for rival claims before reading
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (field = this dataclass's field name) for a bad value."""
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(
+                f"must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}", field="sharding"
+            )
+        for name in ("lease_s", "claim_settle_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"must be a number of seconds > 0, got {value!r}", field=name)
+        if self.claim_settle_s * 3 > self.lease_s:
+            raise ConfigError(
+                f"must be at most a third of lease_s ({self.lease_s:g} s), or claims outlive their lease "
+                f"before they settle, got {self.claim_settle_s:g}",
+                field="claim_settle_s",
+            )
         for name in ("source", "text_field", "split"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -109,8 +136,17 @@ class DataConfig:
             )
         if self.seed < 0:
             raise ConfigError(f"must be non-negative, got {self.seed}", field="seed")
+        if self.claimed and self.num_shards > MAX_CLAIMED_SHARDS:
+            raise ConfigError(
+                f"claimed shards are at most {MAX_CLAIMED_SHARDS}, got {self.num_shards}", field="num_shards"
+            )
         if self.source.startswith("hf:") and not self.source[3:].split(":")[0].strip():
             raise ConfigError("'hf:' must be followed by a dataset name: 'hf:NAME[:CONFIG]'", field="source")
+
+    @property
+    def claimed(self) -> bool:
+        """Whether the site reads shards it claimed through the swarm (``sharding: claim``)."""
+        return self.sharding == "claim"
 
     def with_shard(self, shard_index: int, num_shards: int) -> DataConfig:
         """This config for shard ``shard_index`` of ``num_shards`` of the same *run*.
@@ -377,7 +413,7 @@ class _DatasetSource:
                 yield doc
 
 
-def open_source(cfg: DataConfig) -> _Source:
+def open_source(cfg: DataConfig, quiet: bool = False) -> _Source:
     """The document source of ``cfg``; missing paths and unreachable datasets fail here, eagerly.
 
     Logs one INFO line saying how the shard is split (by files or by documents) and how many files
@@ -387,7 +423,8 @@ def open_source(cfg: DataConfig) -> _Source:
     cfg.validate()
     keys = run_keys(cfg)
     source: _Source = _StdlibSource(cfg, keys) if cfg.source == "stdlib" else _DatasetSource(cfg, keys)
-    log.info("%s", source.sharding.describe(cfg.source))
+    if not quiet:  # (claimed shards are opened one after another: node/shard_reader.py says which)
+        log.info("%s", source.sharding.describe(cfg.source))
     return source
 
 
@@ -478,7 +515,7 @@ def _row_text(row: dict[str, Any], column: str, where: str) -> str:
 
 def _settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
     """A data position's fingerprint without the corpus's file count and keys (see ``load_state_dict``)."""
-    return {k: v for k, v in fingerprint.items() if k not in ("files", "keys")}
+    return {k: v for k, v in fingerprint.items() if k not in ("files", "keys", *CLAIM_FIELDS)}
 
 
 def _saved_keys(saved: dict[str, Any]) -> str:
@@ -568,6 +605,14 @@ class TokenBatches:
         stop the site it is logged and the saved epoch starts over (documents already read this epoch
         come again; none is skipped).
         """
+        if state.get("claimed"):  # saved by a run that claimed its shards (data.sharding was "claim")
+            log.warning(
+                "the data position was saved for shards claimed through the swarm; data.sharding is "
+                "'fixed' now, so shard %d of %d starts at its beginning",
+                self.cfg.shard_index,
+                self.cfg.num_shards,
+            )
+            return
         saved = state.get("data")
         now = self._fingerprint()
         if saved is not None and _settings(saved) != _settings(now):
@@ -612,6 +657,8 @@ class TokenBatches:
     def _fingerprint(self) -> dict[str, Any]:
         d = asdict(self.cfg)
         d.pop("seq_len")  # the position is in tokens, so a new window length can resume it
+        for name in CLAIM_FIELDS:  # how shards are claimed moves no document (and older positions lack them)
+            d.pop(name)
         d["tokenizer"] = repr(self.tokenizer)
         d["files"] = self.sharding.files  # every document's key depends on it
         d["keys"] = self.sharding.keys

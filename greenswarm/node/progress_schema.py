@@ -52,7 +52,46 @@ class RecordModel(pyd.BaseModel):
         extra = pyd.Extra.forbid
 
 
+#: at most this many shards in a claimed corpus (greenswarm.node.data.MAX_CLAIMED_SHARDS)
+_MAX_SHARDS = 4096
+_Count = pyd.conint(strict=True, ge=0)
+
+
+class LeaseModel(pyd.BaseModel):
+    """One site's hold on one claimed shard (greenswarm.node.shard_records.Lease)."""
+
+    shard: _Count  # type: ignore[valid-type]
+    claimed_at: pyd.StrictFloat
+    until: pyd.StrictFloat
+    token: pyd.constr(strict=True, max_length=64)  # type: ignore[valid-type]
+    rank: _Count  # type: ignore[valid-type]
+
+    class Config:
+        extra = pyd.Extra.forbid
+
+
+class ShardRecordModel(pyd.BaseModel):
+    """A site's record of the swarm's claimed shards (greenswarm.node.shard_records.ShardRecord)."""
+
+    site: pyd.StrictStr
+    peer_id: pyd.StrictStr
+    dataset: pyd.constr(strict=True, max_length=64)  # type: ignore[valid-type]
+    count: pyd.conint(strict=True, ge=1, le=_MAX_SHARDS)  # type: ignore[valid-type]
+    leases: pyd.conlist(LeaseModel, max_items=_MAX_SHARDS)  # type: ignore[valid-type]
+    # [shard, epoch, document, offset] and [shard, documents]
+    positions: pyd.conlist(pyd.conlist(_Count, min_items=4, max_items=4), max_items=_MAX_SHARDS)  # type: ignore[valid-type]
+    sizes: pyd.conlist(pyd.conlist(_Count, min_items=2, max_items=2), max_items=_MAX_SHARDS)  # type: ignore[valid-type]
+    excluded: pyd.conlist(_Count, max_items=_MAX_SHARDS)  # type: ignore[valid-type]  (held out)
+    wall_time: pyd.StrictFloat
+    version: pyd.StrictInt
+
+    class Config:
+        extra = pyd.Extra.forbid
+
+
 class ProgressSchema(pyd.BaseModel):
-    """The DHT key ``<swarm>_progress``: subkey = the owner's public key, value = one record."""
+    """The DHT keys ``<swarm>_progress`` (one record per site) and ``<swarm>_shards`` (one shard record
+    per site that claims shards): subkey = the owner's public key."""
 
     progress: Dict[BytesWithPublicKey, RecordModel]  # noqa: UP006
+    shards: Dict[BytesWithPublicKey, ShardRecordModel]  # noqa: UP006

@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from rich.table import Table
 
 from greenswarm.console import wide_console
 from greenswarm.node.progress import ProgressRecord
+from greenswarm.node.shards_view import (
+    fetch_shard_records,
+    listing_json,
+    shard_listing,
+    shards_summary,
+    shards_table,
+)
 from greenswarm.timefmt import utc_short
 
 STATE_STYLE = {"IDLE": "dim", "SOLO": "yellow", "FEDERATED": "bold green"}
@@ -70,11 +78,12 @@ def show_progress(
     watch: float | None,
     authority: str | None = None,
     revocations: str | None = None,
+    shards: bool = False,
 ) -> int:
     """``greenswarm progress``: read the live records once (or every ``watch`` seconds) and print them.
     With ``authority`` (the swarm authority's public key) only certified members' records are shown,
     and none of a member that the swarm's revocation list (``revocations``, and the newest on the DHT)
-    names."""
+    names. With ``shards``, the swarm's claimed shards instead (:mod:`greenswarm.node.shards_view`)."""
     from rich.live import Live
 
     from greenswarm.node import progress
@@ -98,6 +107,15 @@ def show_progress(
         return [r for r in records if admission.revoked(r.peer_id) is None]
 
     console = wide_console()
+    if shards:
+        try:
+            return _show_shards(dht, swarm, as_json, watch, console)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if watch_list is not None:
+                watch_list.close()
+            dht.shutdown()
     try:
         if watch is None:
             records = members_records()
@@ -110,6 +128,9 @@ def show_progress(
                 print(records_json(records))
             elif records:
                 console.print(progress_table(records, title=f"swarm '{swarm}'"))
+                summary = shards_summary(shard_listing(fetch_shard_records(dht, swarm)))
+                if summary:
+                    console.print(summary)
             else:
                 hint = "" if authority else " (a certified swarm's records need --authority KEY.pub)"
                 console.print(f"no live sites in swarm '{swarm}'{hint}")
@@ -134,3 +155,22 @@ def show_progress(
         if watch_list is not None:
             watch_list.close()
         dht.shutdown()
+
+
+def _show_shards(dht: Any, swarm: str, as_json: bool, watch: float | None, console: Any) -> int:
+    """``greenswarm progress --shards``: the claimed shards' table (or JSON), once or every ``watch`` s."""
+    while True:
+        listing = shard_listing(fetch_shard_records(dht, swarm))
+        for _ in range(6 if watch is None and not listing else 0):  # a just-started reader may need a moment
+            time.sleep(0.5)
+            listing = shard_listing(fetch_shard_records(dht, swarm))
+        if as_json:
+            print(listing_json(listing, indent=None if watch is not None else 2), flush=True)
+        elif not listing:
+            console.print(f"no site of swarm '{swarm}' claims shards (data.sharding: claim)")
+        else:
+            for entry in listing:
+                console.print(shards_table(entry))
+        if watch is None:
+            return 0
+        time.sleep(watch)

@@ -29,6 +29,8 @@ class Op(enum.Enum):
     SAVE = "save"  # the trainer's state, for the checkpoint
     RESTORE = "restore"  # load the trainer's state from a checkpoint
     EVALUATE = "evaluate"  # the held-out loss
+    ASSIGN = "assign"  # claimed shards given to or taken from the ranks' readers
+    STATUS = "status"  # every rank's claimed-shard reader (queue, positions), on rank 0
     IDLE = "idle"  # nothing: keeps the followers' collectives from timing out in long idles
     STOP = "stop"  # followers return
 
@@ -66,6 +68,14 @@ class SiteRanks:
 
     def idle(self) -> None:
         self.run(Op.IDLE)
+
+    def assign(self, plan: dict[int, list[tuple[str, int, Any]]]) -> None:
+        """Give claimed shards to, or take them from, the ranks' readers (``plan``: rank -> actions)."""
+        self.run(Op.ASSIGN, plan)
+
+    def data_status(self) -> list[dict[str, Any]] | None:
+        """Each rank's claimed-shard reader (None with fixed shards)."""
+        return self.run(Op.STATUS)
 
     def stop(self) -> None:
         """Release the followers (a no-op in a single process)."""
@@ -105,4 +115,8 @@ class SiteRanks:
             return trainer.load_state_dict(arg)
         if op is Op.EVALUATE:
             return trainer.evaluate(self.held_out.batches())
+        if op is Op.ASSIGN:
+            return trainer.assign_shards(arg)  # (broadcast inside: arg stays on rank 0)
+        if op is Op.STATUS:
+            return trainer.data_status()
         return None  # IDLE, STOP

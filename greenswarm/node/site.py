@@ -40,6 +40,9 @@ from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
+from greenswarm.node.shard_claims import ShardClaims, claimable_shards
+from greenswarm.node.shard_reader import dataset_settings
+from greenswarm.node.shard_records import dataset_id
 from greenswarm.node.site_checkpoints import SiteCheckpoints
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import StateSync, attested
@@ -88,6 +91,7 @@ class SiteNode:
         self.stats = SiteStats()
         self.global_state: GlobalState  # set in _start, from the model's parameters
         self.swarm: SwarmParts | None = None
+        self.shards: ShardClaims | None = None  # data.sharding: claim, once the site has joined
         self.federation: Federation | None = None
         self.round_handler: RoundHandler
         self.sync: StateSync
@@ -186,14 +190,21 @@ class SiteNode:
             elif new is IDLE and old is SOLO and self.stats.tokens_since_sync:
                 self._end_round(SOLO)  # the only site in a window: bank its progress as it leaves
             if new is IDLE:
-                self.checkpoints.save_if_behind()  # (a checkpoint cadence may have skipped the last step)
+                self._save_and_release("its window closed")
             self._report(force=True)
         self._window = window
         return self.state
 
     def _train_step(self) -> None:
+        if self.shards is not None and not self.shards.prepare():  # no shard free for a rank yet
+            self._stop.wait(self.cfg.node.idle_wall_s)
+            self.ranks.idle()
+            return
         began = time.monotonic()
-        self.stats.add_step(self.ranks.train())
+        step = self.ranks.train()
+        self.stats.add_step(step)
+        if self.shards is not None:
+            self.shards.after_step(step.data)
         self._step_s.append(time.monotonic() - began)
         self.round_handler.step_taken()
         if self.stats.first_step_s is None:
@@ -294,6 +305,17 @@ class SiteNode:
         """A state a peer served was refused (:meth:`_verify_served`; the sync said whose and why)."""
         self.stats.counts["refused_states"] += 1
 
+    def _save_and_release(self, why: str) -> None:
+        """The site leaves its window: its newest state goes to disk (a checkpoint cadence may have
+        skipped the last step; idle is the cheapest time to write it), and with claimed shards it
+        writes one regardless, so that the positions it publishes hold everything its readers read,
+        and then lets its shards go to sites still in a window."""
+        if self.shards is None or not self.shards.held:
+            self.checkpoints.save_if_behind()
+            return
+        self.checkpoints.save()
+        self.shards.release_all(why)
+
     def _after_step(self) -> None:
         """What follows every change of the global model: checkpoint, held-out loss and the best
         checkpoints (when due), kept copy, record, fresh view."""
@@ -357,6 +379,8 @@ class SiteNode:
         refuse_other_models(
             self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name, cfg.node.progress_ttl_s
         )
+        if cfg.data.claimed:
+            self.shards = self._claims()
         parts = (self.swarm.averager, self.swarm.digests, averaging, cfg.name, self.peer_id)
         interval_s = self.clock.wall_seconds(averaging.sync_interval_s)  # (a replay runs faster)
         self.federation = Federation(*parts, self.faults, self.started, self.log, interval_s)
@@ -374,6 +398,31 @@ class SiteNode:
             self.world.world_size,
         )
         self._report(force=True)
+
+    def _claims(self) -> ShardClaims:
+        """data.sharding: claim: this site's claims on the swarm's shards, with the shards its readers
+        held at the checkpoint it resumed taken back where no other site took them over."""
+        cfg = self.cfg
+        claimable, excluded = claimable_shards(cfg.data, cfg.eval)
+        settings = dataset_settings(cfg.data, self.trainer.tokenizer, self.trainer.batches.files())
+        dataset = dataset_id(settings, excluded)
+        claims = ShardClaims(
+            self.swarm.dht, cfg.swarm.name, self.swarm.publisher.subkey, cfg.name, self.peer_id, dataset,
+            cfg.data.num_shards, claimable, self.world.world_size, cfg.data.lease_s, cfg.data.claim_settle_s,
+            self.ranks.assign, cfg.node.run_dir, self.log,
+        )  # fmt: skip
+        self.log.info(
+            "data %r: claims its shards through the swarm (dataset %s: %d shards, %d claimable, "
+            "held out: %s)",
+            cfg.data.source,
+            dataset,
+            cfg.data.num_shards,
+            len(claimable),
+            ", ".join(map(str, excluded)) or "none",
+        )
+        self.checkpoints.shards = claims
+        claims.start(self.ranks.data_status() or [], self.checkpoints.resumed_shards)
+        return claims
 
     def _replay_started(self) -> bool:
         """Wait for a replay whose start comes from a start file: whoever launched the sites writes it
@@ -430,6 +479,8 @@ class SiteNode:
             self.log.info("%s -> IDLE (stopping)", self.state.value)
         self.state = IDLE
         self.checkpoints.save()
+        if self.shards is not None:
+            self.shards.release_all("stopping")
         self._report(force=True)
         self.swarm.publisher.flush()
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
@@ -439,6 +490,8 @@ class SiteNode:
             self.schedule.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.shards is not None:
+            self.shards.close()
         self.ranks.stop()
         if self.swarm is not None:
             self.swarm.close(self.log)

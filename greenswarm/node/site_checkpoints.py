@@ -32,6 +32,7 @@ from greenswarm.node.config import SiteConfig
 from greenswarm.node.evaluation import BestCheckpoints
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.ranks import SiteRanks
+from greenswarm.node.shard_claims import ShardClaims
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import StateSync
 from greenswarm.scheduler.energy import EnergyLedger
@@ -62,6 +63,10 @@ class SiteCheckpoints:
         self.every_s = cfg.node.checkpoint_every_s
         self._last_save: float | None = None  # monotonic time of the last checkpoint written (None: none)
         self._unsaved = False  # an outer step's state was not written (the cadence skipped it)
+        # claimed shards (data.sharding: claim; set once the site joined): a checkpoint on disk commits
+        # the readers' positions it holds (node/shard_claims.py), and keeps the claims' tokens
+        self.shards: ShardClaims | None = None
+        self.resumed_shards: dict[str, Any] | None = None  # the claims' part of the checkpoint resumed
 
     def resume(self) -> bool:
         """Restore the newest verified checkpoint, if there is one."""
@@ -73,6 +78,7 @@ class SiteCheckpoints:
         self.stats.load_state_dict(payload["site"])
         self.ledger.load_state_dict(payload["ledger"])
         self.sync.load_state_dict(payload.get("sync", {}))  # (a checkpoint from before it kept one)
+        self.resumed_shards = payload.get("shards")
         self.log.info(
             "resumed from %s: outer step %d, %d local steps, global digest %s",
             self.checkpointer.path,
@@ -90,8 +96,10 @@ class SiteCheckpoints:
                 self.writer.flush()
             except Exception as e:
                 self.log.warning("an earlier checkpoint write failed (%s); writing this one now", e)
-        self.checkpointer.save(self._payload())
+        payload = self._payload()
+        self.checkpointer.save(payload)
         self._last_save, self._unsaved = time.monotonic(), False
+        self._commit(payload)
 
     def after_step(self, evaluate: Callable[[], float]) -> float | None:
         """After an outer step: evaluate when due, save (every step, or as ``node.checkpoint_every_s``
@@ -117,6 +125,7 @@ class SiteCheckpoints:
 
         def after_written() -> None:
             if payload is not None:
+                self._commit(payload)
                 self.best.keep_if_best(outer_round, lineage, loss)
             self._keep_global(outer_round, lineage, params)
 
@@ -147,6 +156,11 @@ class SiteCheckpoints:
             except Exception:  # the writer logged it; the node is closing for a reason of its own
                 pass
 
+    def _commit(self, payload: dict[str, Any]) -> None:
+        """The checkpoint holding ``payload`` is on disk: what its readers read is the swarm's to know."""
+        if self.shards is not None:
+            self.shards.commit((payload.get("trainer") or {}).get("data"))
+
     def _payload(self, own: bool = False) -> dict[str, Any]:
         """Everything a restarted site needs, taken now (``own``: nothing in it changes afterwards)."""
         trainer_state = self.ranks.save(own=own)  # every rank takes part (FSDP gathers its shards)
@@ -160,6 +174,7 @@ class SiteCheckpoints:
             **(snapshot(counters) if own else counters),
             # remembered rounds: their tensors are never changed in place (a round is dropped or added)
             "sync": self.sync.state_dict(),
+            **({"shards": self.shards.state_dict()} if self.shards is not None else {}),
         }
 
     def _keep_global(self, outer_round: int, lineage: str, params: torch.Tensor) -> None:

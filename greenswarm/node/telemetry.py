@@ -36,6 +36,7 @@ class RunningSite(Protocol):
     federation: Any  # Federation, once the site has joined
     swarm: Any  # SwarmParts, once the site has joined
     trainer: Any  # InnerTrainer (its model's identity)
+    shards: Any  # ShardClaims with data.sharding: claim, else None
     connections: dict[str, list[str]]
     log: Any  # logging.Logger
 
@@ -124,6 +125,8 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "signal": node.schedule.describe() if hasattr(node.schedule, "describe") else None,
         # policy: deadline: the work, what the plan decided and why, whether it met the deadline
         "deadline": node.schedule.plan() if hasattr(node.schedule, "plan") else None,
+        # data.sharding: claim: the shards it holds and how far the swarm has read them
+        "shards": node.shards.summary() if node.shards is not None else None,
     }
 
 

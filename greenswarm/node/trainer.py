@@ -19,6 +19,7 @@ from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters, model_identity
+from greenswarm.node.shard_reader import ClaimedBatches
 from greenswarm.node.tokenizer import load_tokenizer
 
 
@@ -26,6 +27,8 @@ from greenswarm.node.tokenizer import load_tokenizer
 class StepStats:
     loss: float
     tokens: int  # tokens this site trained on in the step (all ranks)
+    # claimed shards (data.sharding: claim): each rank's reader after the step (queue, positions), on rank 0
+    data: list[dict[str, Any]] | None = None
 
 
 def _shard_with_fsdp(model: torch.nn.Module) -> None:
@@ -77,9 +80,13 @@ class InnerTrainer:
             )
         self.accumulation = max(1, per_rank // train_cfg.micro_batch_size)
         self.micro_batch = min(train_cfg.micro_batch_size, per_rank)
-        self.batches = TokenBatches(
-            sub_shard(data_cfg, world.rank, world.world_size), self.tokenizer, self.micro_batch
-        )
+        self.batches: TokenBatches | ClaimedBatches
+        if data_cfg.claimed:  # every rank reads whole shards that rank 0 claims for it (node/shard_claims.py)
+            self.batches = ClaimedBatches(data_cfg, self.tokenizer, self.micro_batch)
+        else:
+            self.batches = TokenBatches(
+                sub_shard(data_cfg, world.rank, world.world_size), self.tokenizer, self.micro_batch
+            )
         self._iterator = iter(self.batches)
         self.steps = 0
         self.tokens_per_step = self.micro_batch * self.accumulation * data_cfg.seq_len * world.world_size
@@ -112,7 +119,30 @@ class InnerTrainer:
             total = float(box) / self.world.world_size
         if not math.isfinite(total):
             raise FloatingPointError(f"inner loss is {total} at step {self.steps}")
-        return StepStats(loss=total, tokens=self.tokens_per_step)
+        data = self.data_status() if isinstance(self.batches, ClaimedBatches) else None
+        return StepStats(loss=total, tokens=self.tokens_per_step, data=data)
+
+    # ---- claimed shards (data.sharding: claim)
+
+    def data_status(self) -> list[dict[str, Any]] | None:
+        """Every rank's claimed-shard reader (its queue and where each queued shard is), on rank 0;
+        None elsewhere and for fixed shards. A collective under torchrun."""
+        if not isinstance(self.batches, ClaimedBatches):
+            return None
+        statuses = self._gather_objects(self.batches.status())
+        return statuses if self.world.is_leader else None
+
+    def assign_shards(self, plan: dict[int, list[tuple[str, int, Any]]] | None) -> None:
+        """Rank 0's ``plan`` (rank -> [("assign", shard, position) | ("withdraw", shard, None)]) applied
+        by each rank to its own reader. A collective under torchrun."""
+        plan = self.world.broadcast(plan)
+        if not isinstance(self.batches, ClaimedBatches) or not plan:
+            return
+        for action, shard, position in plan.get(self.world.rank, []):
+            if action == "assign":
+                self.batches.assign(shard, position)
+            else:
+                self.batches.withdraw(shard)
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast when ``train.precision`` asks for it (parameters stay fp32), else a no-op."""
