@@ -1,9 +1,14 @@
-"""A two-rank FSDP2 site (torchrun, gloo, CPU) joins a swarm with a one-rank site and averages with it,
-in overlapped rounds (so the sharded rebase, every rank adding its shard of the shift, runs too); then
-``greenswarm export`` turns the sharded site's checkpoint into a model transformers loads."""
+"""Sites of one, two and three ranks (torchrun, FSDP2 over gloo on the CPU) with different micro-batches
+average in one swarm, in overlapped rounds (so the sharded rebase, every rank adding its shard of the
+shift, runs too), each rank reading shards its site claimed through the DHT; then ``greenswarm export``
+turns the three-rank site's checkpoint into a model transformers loads.
+
+What must match across sites, and what may differ, is in docs/data.md ("Sites that differ").
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -17,15 +22,25 @@ from tests.conftest import Swarm, site_config, write_trace
 pytestmark = pytest.mark.swarm
 
 SPEEDUP, HOURS = 300.0, 2
+#: name -> (ranks, batch, micro-batch): one rank of 4, two of 4 in micro-batches of 2, three of 2 in 1s
+SITES = {"one": (1, 4, 4), "two": (2, 8, 2), "three": (3, 6, 1)}
 
 
 @pytest.mark.export
-def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path: Path) -> None:
+@pytest.mark.shards
+def test_sites_of_one_two_and_three_ranks_average_together(swarm: Swarm, tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * HOURS}, step_s=3600)
     peers = swarm.bootstrap()
     start_file = tmp_path / "start"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    for name, shard, prefix in (("site-fsdp", 0, torchrun), ("site-single", 1, None)):
+    for name, (ranks, batch, micro) in SITES.items():
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+        ]
         cfg = site_config(
             name,
             "GREEN",
@@ -35,28 +50,48 @@ def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path
             speedup=SPEEDUP,
             start_file=start_file,
             sync_s=900.0,
-            shard=shard,
-            shards=2,
             node={"keep_globals": 100},
             averaging={"overlap": True},
+            # 6 readers in all, each holding the shard it reads and the next: 15 claimable shards
+            data={"sharding": "claim", "num_shards": 16, "lease_s": 30.0, "claim_settle_s": 0.5},
+            train={"batch_size": batch, "micro_batch_size": micro},
         )
-        swarm.node(name, swarm.write_config(name, cfg), prefix=prefix)
-    end_wall = swarm.start_replay(["site-fsdp", "site-single"], start_file) + HOURS * 3600 / SPEEDUP
-    for name in ("site-fsdp", "site-single"):
-        assert swarm.wait(name, timeout=end_wall + 120 - time.time()) == 0, swarm.log(name)[-4000:]
+        swarm.node(name, swarm.write_config(name, cfg), prefix=torchrun if ranks > 1 else None)
+    end_wall = swarm.start_replay(list(SITES), start_file) + HOURS * 3600 / SPEEDUP
+    for name in SITES:
+        assert swarm.wait(name, timeout=end_wall + 180 - time.time()) == 0, swarm.log(name)[-4000:]
 
-    fsdp = json.loads((tmp_path / "site-fsdp" / "summary.json").read_text())
-    single = json.loads((tmp_path / "site-single" / "summary.json").read_text())
-    assert fsdp["world_size"] == 2 and single["world_size"] == 1
-    assert fsdp["federated_rounds"] >= 2 and single["federated_rounds"] >= 2, (fsdp, single)
-    # after a shared round both hold the same global model, though one is sharded over two ranks
-    shared = 0
-    for path in (tmp_path / "site-fsdp" / "globals").glob("outer-*.pt"):
-        other = tmp_path / "site-single" / "globals" / path.name
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in SITES}
+    for name, (ranks, _, _) in SITES.items():
+        assert summaries[name]["world_size"] == ranks
+        assert summaries[name]["federated_rounds"] >= 2, summaries[name]
+    # rounds all three took together, and every member holds the same global state after each
+    rounds = {
+        name: [json.loads(line) for line in (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
+        for name in SITES
+    }
+    together = [r for r in rounds["one"] if r["action"] == "apply" and sorted(r["members"]) == sorted(SITES)]
+    assert len(together) >= 2, rounds["one"]
+    digests: dict[tuple[int, str], set[str]] = {}
+    for entry in itertools.chain.from_iterable(rounds.values()):
+        if entry["action"] == "apply":
+            digests.setdefault((entry["outer_round"], entry["lineage"]), set()).add(entry["digest"])
+    assert all(len(d) == 1 for d in digests.values()), digests
+    for path in (tmp_path / "three" / "globals").glob("outer-*.pt"):
+        other = tmp_path / "one" / "globals" / path.name
         if other.exists():
             assert torch.allclose(torch.load(path), torch.load(other), atol=5e-4, rtol=0), path.name
-            shared += 1
-    assert shared >= 2
+    # each rank read shards of its own: no shard read by two sites, a site of N ranks in N shards at least
+    journal = [
+        json.loads(line)
+        for name in SITES
+        for line in (tmp_path / name / "shards.jsonl").read_text().splitlines()
+    ]
+    for name, (ranks, _, _) in SITES.items():
+        assert len({line["shard"] for line in journal if line["site"] == name}) >= ranks, name
+    readers = {}
+    for line in journal:
+        assert readers.setdefault(line["shard"], line["site"]) == line["site"], ("a shard read by two", line)
 
     # the sharded site's checkpoint exports like any other: transformers loads the global model it holds
     from transformers import AutoModelForCausalLM
@@ -65,9 +100,9 @@ def test_two_rank_fsdp_site_averages_with_a_one_rank_site(swarm: Swarm, tmp_path
     from greenswarm.node.export import export_run
     from greenswarm.node.model import ModelConfig, build_model
 
-    report = export_run(tmp_path / "site-fsdp", tmp_path / "exported")
-    assert report["outer_round"] == fsdp["outer_round"]
-    flat = Checkpointer(tmp_path / "site-fsdp").load()["outer"][0]
+    report = export_run(tmp_path / "three", tmp_path / "exported")
+    assert report["outer_round"] == summaries["three"]["outer_round"]
+    flat = Checkpointer(tmp_path / "three").load()["outer"][0]
     reference = build_model(ModelConfig(), 259)
     torch.nn.utils.vector_to_parameters(flat, reference.parameters())
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))

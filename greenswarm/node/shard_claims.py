@@ -116,10 +116,12 @@ class ShardClaims:
 
     # ------------------------------------------------------------------ the loop's side
 
-    def start(self, statuses: list[dict[str, Any]], saved: dict[str, Any] | None = None) -> None:
+    def start(
+        self, statuses: list[dict[str, Any]], saved: dict[str, Any] | None = None, background: bool = True
+    ) -> None:
         """Take back what the checkpoint's readers held (``statuses``: each rank's queue and positions;
         ``saved``: :meth:`state_dict` of that checkpoint) where no other site took it over meanwhile,
-        then start renewing on a thread of its own."""
+        then start renewing on a thread of its own (``background``; a test may renew by hand)."""
         tokens = {int(k): (str(t), float(c)) for k, (t, c) in ((saved or {}).get("tokens") or {}).items()}
         self._learn(saved or {})
         wanted: dict[int, int] = {}
@@ -131,8 +133,9 @@ class ShardClaims:
                 wanted[shard] = rank
         if wanted:
             self._resume(wanted, tokens)
-        self._thread = threading.Thread(target=self._run, name="shard-claims", daemon=True)
-        self._thread.start()
+        if background:
+            self._thread = threading.Thread(target=self._run, name="shard-claims", daemon=True)
+            self._thread.start()
 
     def prepare(self) -> bool:
         """Before a step: hand the ranks what changed, and claim at once for a rank with no shard.
