@@ -157,7 +157,8 @@ def test_agreeing_group_applies_in_the_groups_slot() -> None:
         GENESIS,
         3,
     )
-    assert call["gather"] == {"site": "me", "outer_round": 0, "recent": 0.0}  # (the claim: the weight)
+    # (the claim: the weight; steps: the inner steps behind the update, fednova's tau)
+    assert call["gather"] == {"site": "me", "outer_round": 0, "recent": 0.0, "steps": 0}
     assert fed.wire_rounds == {"int8": 1} and fed.round_seconds == [0.5]
 
 

@@ -104,9 +104,12 @@ def bounded_weights(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """``(peer -> the weight its parts count with, peer -> why it was clipped)`` for one group, from the
     members' gathered metadata (each a dict with ``tokens``): a claim above the member's rate
-    (:func:`member_rate`) times ``interval_s`` counts as that much. The same on every member."""
+    (:func:`member_rate`) times ``interval_s`` counts as that much. Under ``averaging.weighting:
+    equal`` every member counts as 1, whatever it claims. The same on every member."""
     weights: dict[str, float] = {}
     clipped: dict[str, str] = {}
+    if rules.get("weighting") == "equal":
+        return dict.fromkeys(claims, 1.0), clipped
     rates = certificate_rates or {}
     for peer, user in claims.items():
         claimed = claimed_weight(user)

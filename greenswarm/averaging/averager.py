@@ -20,7 +20,8 @@ What it adds to hivemind, and why:
 * poisoned updates (NaN/Inf, or a norm far outside the group's) are refused before they are
   averaged (:mod:`greenswarm.averaging.screening`); claimed weights are bounded, and the group may
   combine updates by a trimmed mean instead of the mean (:mod:`greenswarm.averaging.aggregation`):
-  every member must configure both alike, or the group is refused.
+  every member must configure both alike, or the group is refused (and the weighting too:
+  :mod:`greenswarm.averaging.weighting`).
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ class SwarmAverager(DecentralizedAverager):
             residual=self._residual.clone(),
             allreduce_s=report.allreduce_s(),
             clipped=dict(report.clipped),
+            weights=dict(report.weights),
             report=report,
         )
 
@@ -274,6 +276,7 @@ class SwarmAverager(DecentralizedAverager):
         failed.gathered = dict(report.gathered)
         failed.refused = dict(report.refused)  # whose update a reducer refused (a void round)
         failed.clipped = dict(report.clipped)
+        failed.weights = dict(report.weights)
         if report.coded:  # what went on the wire, had the others applied it
             failed.residual = self._residual.clone()
         return failed
@@ -427,6 +430,7 @@ class SwarmAverager(DecentralizedAverager):
         for peer, why in clipped.items():
             log.warning("bounding the weight of %s: %s", _name(peer, claims.get(peer)), why)
         report.clipped = clipped
+        report.weights = dict(weights)  # what the group's step is weighted by (fednova's tau_eff too)
         return {
             "modes": tuple(modes),
             "peer_fractions": tuple(f / sum(kept) for f in kept),
@@ -550,8 +554,8 @@ class SwarmAverager(DecentralizedAverager):
 
 class RulesMismatch(ValueError):
     """A groupmate combines updates by other rules (``averaging.aggregate``, ``trim``,
-    ``max_tokens_per_s``, the round interval): averaged together, each reducer would weigh its slice
-    by its own rules."""
+    ``max_tokens_per_s``, ``weighting``, the round interval): averaged together, each reducer would
+    weigh its slice by its own rules."""
 
 
 def check_rules(users: list[tuple[str, Any]], me: str) -> None:
@@ -563,8 +567,8 @@ def check_rules(users: list[tuple[str, Any]], me: str) -> None:
         if gathered[peer] != mine:
             raise RulesMismatch(
                 f"{_name(peer, user)} combines updates by {gathered[peer]!r}, this site by {mine!r}: every "
-                "member of a swarm must set averaging.aggregate, trim and max_tokens_per_s alike (and the "
-                "same round interval)"
+                "member of a swarm must set averaging.aggregate, trim, max_tokens_per_s and weighting alike "
+                "(and the same round interval)"
             )
 
 

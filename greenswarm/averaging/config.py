@@ -16,6 +16,9 @@ WIRE_CODECS: tuple[str, ...] = get_args(WireCodec)
 #: how a group's pseudo-gradients are combined (greenswarm.averaging.aggregation)
 Aggregate = Literal["mean", "trimmed-mean"]
 AGGREGATES: tuple[str, ...] = get_args(Aggregate)
+#: how much each member's pseudo-gradient counts in a round (greenswarm.averaging.weighting)
+Weighting = Literal["tokens", "fednova", "equal"]
+WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
 
 #: averaging timeouts for sites on one machine (the demo, tests): rounds that last a few wall seconds
 LOOPBACK_TIMEOUTS = {
@@ -74,6 +77,15 @@ class AveragingConfig:
     more (a member's certificate may set a lower figure of its own). Every member of a group must
     configure the same ``aggregate``, ``trim`` and ``max_tokens_per_s``: a group that differs is
     refused.
+    ``weighting``: how much each member's pseudo-gradient counts in the mean
+    (:mod:`greenswarm.averaging.weighting`, docs/weighting.md). ``tokens`` (the default): the tokens it
+    trained since its last outer step. ``fednova`` (Wang et al. 2020): each member sends its update
+    divided by its inner steps since its last outer step, weighted by its tokens, and the group's
+    average is multiplied by the token-weighted mean of the members' steps, so a site that took more
+    steps per round does not pull the model towards its own local optimum more than its data share
+    says; with equal steps it is ``tokens``. ``equal``: every member counts as one, whatever it trained
+    (and whatever it claims). Every member of a group must configure the same ``weighting``: a group
+    that differs is refused. A SOLO round has no weighting.
     """
 
     sync_interval_s: float = 600.0
@@ -96,10 +108,16 @@ class AveragingConfig:
     aggregate: Aggregate = "mean"
     trim: float = 0.25
     max_tokens_per_s: float | None = None
+    weighting: Weighting = "tokens"
 
     def rules(self) -> dict[str, object]:
         """What every member of a group must configure alike (gathered and compared each round)."""
-        return {"aggregate": self.aggregate, "trim": self.trim, "max_tokens_per_s": self.max_tokens_per_s}
+        return {
+            "aggregate": self.aggregate,
+            "trim": self.trim,
+            "max_tokens_per_s": self.max_tokens_per_s,
+            "weighting": self.weighting,
+        }
 
     def longest_round_s(self) -> float:
         """The longest one round can hold a node when every timeout fires: matchmaking (the step's
@@ -161,3 +179,7 @@ class AveragingConfig:
             raise ConfigError(f"must be < 0.5 (each side), got {self.trim!r}", field="trim")
         if self.max_tokens_per_s is not None:
             _positive(self.max_tokens_per_s, "max_tokens_per_s")
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(
+                f"must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}", field="weighting"
+            )

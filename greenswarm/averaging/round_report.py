@@ -30,6 +30,7 @@ class RoundReport:
     wire_bytes: float = 0.0  # what this site sent and received, nominally
     refused: dict[str, str] = field(default_factory=dict)  # groupmates whose parts this reducer refused
     clipped: dict[str, str] = field(default_factory=dict)  # members whose claimed tokens counted less
+    weights: dict[str, float] = field(default_factory=dict)  # peer -> the weight its parts counted with
     refusal: str = ""  # why this site refused the group, or why the group refused this site's update
     coded: bool = False  # this site's update was coded for the wire (its residual is this round's)
 
@@ -72,4 +73,5 @@ class RoundOutcome:
     slot: int = -1  # the group's round slot: the latest of its members' (all of them compute the same)
     refused: dict[str, str] = field(default_factory=dict)  # peer -> why its update was not averaged in
     clipped: dict[str, str] = field(default_factory=dict)  # peer -> how its claimed weight was bounded
+    weights: dict[str, float] = field(default_factory=dict)  # peer -> the weight the reducers counted
     report: RoundReport | None = None  # what the averager process saw (None: no group formed)

@@ -22,10 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
+from greenswarm.averaging.aggregation import bounded_weights
 from greenswarm.averaging.agreement import Verdict, decide
 from greenswarm.averaging.config import AveragingConfig
 from greenswarm.averaging.outer import next_lineage
 from greenswarm.averaging.round_report import RoundOutcome
+from greenswarm.averaging.weighting import group_scale, outgoing, scaled, to_update_units
 from greenswarm.faults import FaultPlan
 from greenswarm.node.global_state import GlobalState
 
@@ -147,20 +149,29 @@ class Federation:
         partners: int,
         tokens: int,
         matchmaking_s: float | None = None,
+        steps: int = 0,
     ) -> RoundResult:
-        """Average ``delta`` (this site's pseudo-gradient over ``tokens`` tokens, taken in round ``slot``)
-        with a group of up to ``partners`` other sites, and agree on the result. ``matchmaking_s``: how
-        long to look for the group (``averaging.matchmaking_s`` if None)."""
+        """Average ``delta`` (this site's pseudo-gradient over ``tokens`` tokens and ``steps`` inner steps,
+        taken in round ``slot``) with a group of up to ``partners`` other sites, and agree on the result.
+        ``matchmaking_s``: how long to look for the group (``averaging.matchmaking_s`` if None).
+
+        The weighting (``averaging.weighting``, :mod:`greenswarm.averaging.weighting`) happens here and
+        only here: what goes to the averager is in its units (``fednova``: per inner step), and what
+        comes back -- the group's step, this site's coding residual -- is turned back into the units of
+        ``delta``, so everything downstream (the outer step, error feedback, a remembered round) is
+        the same whatever the weighting."""
         if not partners:
             return Failed(slot, "no other site is in a window any more", RoundOutcome(False))
+        weighting = self.cfg.weighting
+        sent, weight = outgoing(weighting, self._with_feedback(delta), tokens, steps)
         if self.faults.fires("claim-tokens"):
             self.log.warning(
-                "fault injected: claim-tokens (this site claims a billion tokens, not %d)", tokens
+                "fault injected: claim-tokens (this site claims a billion tokens, not %s)", weight
             )
-            tokens = 10**9
+            weight = 10**9
         outcome = self.averager.average(
-            self._with_feedback(delta),
-            weight=tokens,
+            sent,
+            weight=weight,
             round_index=slot,
             lineage=state.lineage,
             expected_size=1 + partners,
@@ -168,10 +179,12 @@ class Federation:
                 "site": self.site,
                 "outer_round": state.outer_round,
                 "recent": state.recent_update_norm,  # the scale the group screens updates against
+                "steps": steps,  # inner steps behind the update (fednova's tau)
             },
             matchmaking_s=matchmaking_s,
             interval_s=self.interval_s,
         )
+        outcome.residual = to_update_units(weighting, outcome.residual, steps)
         if outcome.members:
             slot = outcome.slot  # the group's slot: names the round the same for every member
         for peer, why in outcome.refused.items():
@@ -181,6 +194,7 @@ class Federation:
         if not outcome.ok:  # (a round a reducer voided still names whose update it refused)
             return Failed(slot, outcome.reason, outcome, refused=self._refused(outcome))
         self._count(outcome)
+        self._scale(outcome, slot)
         verdict, agreement_s = self._agree(outcome, delta, state, slot)
         refused = self._refused(outcome)
         if verdict.action == "resync":
@@ -207,6 +221,22 @@ class Federation:
             self.feedback.zero_()
         else:
             self.feedback.copy_(residual)
+
+    def _scale(self, outcome: RoundOutcome, slot: int) -> None:
+        """Turn the group's combined vector into the group's step (``fednova``: times ``tau_eff``, from
+        the gathered steps and the weights the reducers counted; the same bits at every member)."""
+        if self.cfg.weighting != "fednova" or outcome.averaged is None:
+            return
+        weights = outcome.weights
+        if not weights:  # (an averager that did not say: count them as its reducers do)
+            claims = {peer: outcome.gathered.get(peer) for peer in outcome.members}
+            rules = {**self.cfg.rules(), "interval_s": float(self.interval_s)}
+            weights, _ = bounded_weights(claims, rules, float(self.interval_s))
+        scale = group_scale(
+            "fednova", outcome.members, outcome.gathered, weights, self.cfg.aggregate, self.cfg.trim
+        )
+        outcome.averaged = scaled(outcome.averaged, scale)
+        self.log.debug("round %d: fednova scales the group's average by tau_eff %.4g", slot, scale)
 
     def _refused(self, outcome: RoundOutcome) -> dict[str, str]:
         """Groupmates whose updates the round refused (this site's own refusal is the round's reason)."""

@@ -84,6 +84,9 @@ class RoundInFlight:
     # group agreed); ``delta`` then holds the new global model minus the local snapshot: what the loop
     # adds to its parameters to keep the inner steps taken meanwhile
     applied: bool = False
+    # the inner steps behind ``delta`` (moved out of the site's steps since its last outer step, like
+    # ``tokens``; fednova's tau). Not ``steps``: those are taken after the snapshot
+    trained_steps: int = 0
 
 
 def overlapped_matchmaking_s(
@@ -168,7 +171,10 @@ class RoundHandler:
         assert self.in_flight is None, "a round is already in flight"
         delta = self.state.pseudo_gradient(self.ranks.gather())
         tokens, self.stats.tokens_since_sync = self.stats.tokens_since_sync, 0  # they go into this round
-        flight = RoundInFlight(slot, delta, tokens, partners(), background, matchmaking_s)
+        trained, self.stats.steps_since_sync = self.stats.steps_since_sync, 0  # (and so do these)
+        flight = RoundInFlight(
+            slot, delta, tokens, partners(), background, matchmaking_s, trained_steps=trained
+        )
         if background:
             flight.future = in_background(functools.partial(self._run, flight))
         self.in_flight = flight
@@ -216,15 +222,20 @@ class RoundHandler:
                 return RoundEnd("resync", result.slot, result=result, moved=True)
             self.counts["failed_rounds"] += 1
             self.stats.tokens_since_sync += tokens
+            self.stats.steps_since_sync += flight.trained_steps
             residual = result.outcome.residual  # the majority did apply it
-            self.sync.maybe_applied(result.slot, result.lineage, delta, tokens, residual)
+            self.sync.maybe_applied(
+                result.slot, result.lineage, delta, tokens, residual, flight.trained_steps
+            )
             return RoundEnd("fail", result.slot, "could not get the majority's state", result)
         assert isinstance(result, Failed)
         self.counts["failed_rounds"] += 1
         self.stats.tokens_since_sync += tokens  # not in any step: they weigh in the next round
+        self.stats.steps_since_sync += flight.trained_steps
         if self.peer_id in result.outcome.members:  # its update went in: the others may apply it
             after = next_lineage(self.state.lineage, result.slot, result.outcome.members)
-            self.sync.maybe_applied(result.slot, after, delta, tokens, result.outcome.residual)
+            residual = result.outcome.residual
+            self.sync.maybe_applied(result.slot, after, delta, tokens, residual, flight.trained_steps)
         self.log.warning(
             "round %d: %s (%s); keeping local progress, retrying next round",
             result.slot,
@@ -240,7 +251,13 @@ class RoundHandler:
         slot = flight.slot
         try:
             result = self.federation.run(
-                flight.delta, self.state, slot, flight.partners, flight.tokens, flight.matchmaking_s
+                flight.delta,
+                self.state,
+                slot,
+                flight.partners,
+                flight.tokens,
+                flight.matchmaking_s,
+                steps=flight.trained_steps,
             )
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)
@@ -264,9 +281,10 @@ class RoundHandler:
 
     def _settled(self, held: PendingRound) -> None:
         """A round this site failed was applied by the others after all: the state this site adopted
-        holds its update, its tokens and the feedback it sent, so count them as synced."""
+        holds its update, its tokens (and steps) and the feedback it sent, so count them as synced."""
         self.federation.settle_residual(held.residual)
         self.stats.tokens_since_sync = max(0, self.stats.tokens_since_sync - held.tokens)
+        self.stats.steps_since_sync = max(0, self.stats.steps_since_sync - held.steps)
 
     def _step(
         self,
@@ -290,6 +308,7 @@ class RoundHandler:
             self.ranks.load(self.state.params if since is None else self.state.params + since)
         if solo:  # (a federated round moved its tokens into the round at its snapshot)
             self.stats.tokens_since_sync = 0
+            self.stats.steps_since_sync = 0
         self.counts["federated_rounds" if len(members) > 1 else "solo_rounds"] += 1
         self.log.info(
             "round %d: outer step %d %s, loss %.3f, global digest %s",

@@ -31,6 +31,7 @@ class SiteStats:
     local_steps: int = 0
     tokens: int = 0
     tokens_since_sync: int = 0  # tokens trained since the last outer step (the round's weight)
+    steps_since_sync: int = 0  # inner steps taken since the last outer step (fednova's tau)
     loss: float | None = None  # exponential moving average of the training loss
     # the first step's loss: where this site started, untrained or from the swarm's model it adopted
     # on entering its first window (the EMA moves slowly away from it)
@@ -43,6 +44,7 @@ class SiteStats:
         self.local_steps += 1
         self.tokens += step.tokens
         self.tokens_since_sync += step.tokens
+        self.steps_since_sync += 1
         if self.first_loss is None:
             self.first_loss = step.loss
         self.loss = step.loss if self.loss is None else 0.9 * self.loss + 0.1 * step.loss
@@ -54,6 +56,7 @@ class SiteStats:
             "tokens": self.tokens,
             # the local progress a restart resumes is not yet in any outer step: it keeps its weight
             "tokens_since_sync": self.tokens_since_sync,
+            "steps_since_sync": self.steps_since_sync,
             "loss": self.loss,
             "first_loss": self.first_loss,
             "counts": dict(self.counts),
@@ -63,4 +66,5 @@ class SiteStats:
         self.local_steps, self.tokens, self.loss = site["local_steps"], site["tokens"], site["loss"]
         self.first_loss = site.get("first_loss")  # absent from checkpoints written before it was kept
         self.tokens_since_sync = site.get("tokens_since_sync", 0)  # (likewise)
+        self.steps_since_sync = site.get("steps_since_sync", 0)  # (likewise)
         self.counts.update(site["counts"])

@@ -88,6 +88,7 @@ class PendingRound:
     delta: torch.Tensor  # the pseudo-gradient this site sent (relative to its state then)
     tokens: int = 0  # the tokens behind it (its weight in the round)
     residual: torch.Tensor | None = None  # what coding left out of what it sent (None: not known)
+    steps: int = 0  # the inner steps behind it (absent from checkpoints written before it was kept)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +97,7 @@ class PendingRound:
             "delta": self.delta,
             "tokens": self.tokens,
             "residual": self.residual,
+            "steps": self.steps,
         }
 
 
@@ -134,12 +136,13 @@ class StateSync:
         delta: torch.Tensor,
         tokens: int = 0,
         residual: torch.Tensor | None = None,
+        steps: int = 0,
     ) -> None:
         """Remember a round whose step others may have applied with this site's ``delta`` (over
-        ``tokens`` tokens, coded with ``residual`` left out) in it; ``lineage``: the state's lineage
-        after that step."""
+        ``tokens`` tokens and ``steps`` inner steps, coded with ``residual`` left out, in the units of
+        ``delta``) in it; ``lineage``: the state's lineage after that step."""
         kept = residual.clone() if residual is not None else None
-        self.pending_rounds.append(PendingRound(slot, lineage, delta.clone(), tokens, kept))
+        self.pending_rounds.append(PendingRound(slot, lineage, delta.clone(), tokens, kept, steps))
         del self.pending_rounds[:-MAX_PENDING]
 
     @property
