@@ -79,8 +79,6 @@ def _site_config(
     opts: DemoOptions,
     trace_spec: str,
     region: str,
-    index: int,
-    count: int,
     peers: list[str],
     speedup: float,
     start_file: Path,
@@ -94,7 +92,16 @@ def _site_config(
         "region": region,
         "swarm": {"name": SWARM, "initial_peers": peers, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
         "model": {"preset": "tiny"},
-        "data": {"source": "stdlib", "shard_index": index, "num_shards": count, "seq_len": 128},
+        # the standard library's sources, cut into 16 shards that the sites claim through the swarm
+        # (the last held out): `greenswarm progress --shards` shows who reads which
+        "data": {
+            "source": "stdlib",
+            "seq_len": 128,
+            "sharding": "claim",
+            "num_shards": 16,
+            "lease_s": 10.0,
+            "claim_settle_s": 0.5,
+        },
         "train": {"batch_size": 8, "micro_batch_size": 8, "threads": 1, "lr": 1e-3, "warmup_steps": 20},
         "scheduler": {
             "trace": trace_spec,
@@ -223,8 +230,8 @@ def run_demo(opts: DemoOptions) -> int:
         peers = _start_bootstrap(children, workdir)
         start_file = workdir / "replay.start"
         start_file.unlink(missing_ok=True)  # a reused work directory: the last run's start is not this one's
-        for i, region in enumerate(regions):
-            cfg = _site_config(opts, trace_spec, region, i, len(regions), peers, speedup, start_file, workdir)
+        for region in regions:
+            cfg = _site_config(opts, trace_spec, region, peers, speedup, start_file, workdir)
             path = workdir / f"{cfg['name']}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             children.start(

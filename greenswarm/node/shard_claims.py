@@ -227,6 +227,9 @@ class ShardClaims:
             for shard in finished:
                 del self.held[shard]
                 self.read_from.pop(shard, None)
+        # published first, then journaled: a crash between the two leaves the journal a line short,
+        # never another site reading again what this checkpoint holds
+        self._publish(wait=True)
         self._write_journal(lines)
         if finished:
             self.log.info(
@@ -236,7 +239,6 @@ class ShardClaims:
                     for k in finished
                 ),
             )
-        self._publish()
 
     def release_all(self, why: str) -> None:
         """Withdraw every shard from the ranks and every lease (after a checkpoint: the site leaves its
@@ -517,23 +519,30 @@ class ShardClaims:
                 self.dataset,
             )
 
-    def _publish(self, wait: bool = False) -> None:
+    def _publish(self, wait: bool = False) -> bool:
+        """Write this site's record (``wait``: until the DHT holds it, or it failed: said, never
+        raised -- the next renewal writes it again). Whether it is known to be stored."""
         from hivemind.utils import get_dht_time
 
         with self._lock:
             value = self._record().to_wire()
-        future = self.dht.store(
-            self.key,
-            subkey=self.subkey,
-            value=value,
-            expiration_time=get_dht_time() + RECORD_TTL_S,
-            return_future=True,
-        )
-        if wait:
-            if not future.result(timeout=DHT_TIMEOUT_S):
-                self.log.warning(
-                    "shard claims: the DHT did not store this site's shard record; retrying at renewal"
-                )
+        try:
+            future = self.dht.store(
+                self.key,
+                subkey=self.subkey,
+                value=value,
+                expiration_time=get_dht_time() + RECORD_TTL_S,
+                return_future=True,
+            )
+            if not wait:
+                return False
+            if future.result(timeout=DHT_TIMEOUT_S):
+                return True
+            why = "the DHT did not store it"
+        except Exception as e:  # the DHT is busy or shutting down
+            why = f"{type(e).__name__}: {e}"
+        self.log.warning("shard claims: this site's shard record was not written (%s); renewal retries", why)
+        return False
 
     def _interval(self, shard: int, start: Position, end: Position) -> dict[str, Any]:
         return {
