@@ -440,7 +440,11 @@ class SiteNode:
         self.history.maybe_write(self, force)
 
     def _sleep_until_window(self, now: float) -> None:
-        """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps)."""
+        """IDLE: no training; wake at the next window, a poll, or a stop (bounded wall sleeps). Shards
+        held while IDLE (a site restarted outside its window takes its readers' shards back) go to sites
+        in a window."""
+        if self.shards is not None and self.shards.held:
+            self._save_and_release("outside its window")
         nxt = self.schedule.next_window(now)
         target = min(nxt.start if nxt else self.schedule.end, now + self.cfg.scheduler.poll_s, self.stop_at)
         self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
