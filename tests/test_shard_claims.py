@@ -21,7 +21,7 @@ import torch
 from greenswarm.errors import ConfigError
 from greenswarm.node.data import DataConfig, TokenBatches, iter_documents
 from greenswarm.node.shard_claims import ShardClaims, claimable_shards, documents_between
-from greenswarm.node.shard_reader import ClaimedBatches, ShardsRunOut
+from greenswarm.node.shard_reader import ClaimedBatches, ShardsRunOut, apply_plan
 from greenswarm.node.shard_records import Lease, ShardRecord, choose, dataset_id, merge
 from greenswarm.node.tokenizer import load_tokenizer
 
@@ -215,12 +215,16 @@ def test_a_shard_record_passes_the_swarms_schema() -> None:
 
 
 class Board:
-    """One DHT key's values for several sites, and the wall clock they all read."""
+    """One DHT key's values for several sites, and the wall clock they all read. ``gets_left``: reads
+    that answer before every further one times out; ``stores_fail``: writes are refused."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[bytes, tuple[Any, float]]] = {}
         self.t = 1000.0
         self.lock = threading.Lock()
+        self.gets_left: int | None = None
+        self.stores_fail = False
+        self.after_get: list[Any] = []  # called, one per read, after a read answered
 
     def dht(self) -> Any:
         board = self
@@ -229,17 +233,29 @@ class Board:
             def store(
                 self, key: str, subkey: bytes, value: Any, expiration_time: float, return_future: bool
             ) -> Future:
+                if board.stores_fail:
+                    return _done(False)
                 with board.lock:
-                    board.values.setdefault(key, {})[subkey] = (value, expiration_time)
+                    old = board.values.setdefault(key, {}).get(subkey)
+                    if old is None or old[1] < expiration_time:  # as hivemind keeps the later one
+                        board.values[key][subkey] = (value, expiration_time)
                 return _done(True)
 
             def get(self, key: str, latest: bool, return_future: bool) -> Future:
+                if board.gets_left is not None:
+                    if board.gets_left <= 0:
+                        future: Future = Future()
+                        future.set_exception(TimeoutError("no answer"))
+                        return future
+                    board.gets_left -= 1
                 with board.lock:
                     items = {
                         k: SimpleNamespace(value=v, expiration_time=e)
                         for k, (v, e) in board.values.get(key, {}).items()
                         if e > board.t
                     }
+                if board.after_get:
+                    board.after_get.pop(0)()
                 return _done(SimpleNamespace(value=items) if items else None)
 
         return FakeDHT()
@@ -268,11 +284,7 @@ class Site:
     def apply(self) -> None:
         for plan in self.plans:
             for rank, actions in plan.items():
-                for action, shard, position in actions:
-                    if action == "assign":
-                        self.readers[rank].assign(shard, position)
-                    else:
-                        self.readers[rank].withdraw(shard)
+                apply_plan(self.readers[rank], actions)
         self.plans.clear()
 
     def step(self) -> None:
@@ -319,7 +331,7 @@ def test_a_crossed_claim_is_withdrawn_before_it_is_read(board: Board, corpus: Pa
         # b's claim on the same shard crossed a's in the DHT: both wrote, b read before a's showed
         b.claims.held[shard] = Lease(shard, board.t + 0.5, board.t + 30, "b-token")
         b.claims._renew()
-        assert shard not in b.held() and b.claims._plan == {0: [("withdraw", shard, None)]}
+        assert shard not in b.held() and b.claims._plan == {0: [("withdraw", shard, None, None)]}
         a.claims._renew()
         assert a.held() == {shard}
     finally:
@@ -344,7 +356,7 @@ def test_a_crashed_sites_shard_is_continued_from_what_it_committed(
         board.t += 31.0  # its lease runs out
         b.claims.start([{}], background=False)
         b.claims.known.clear()
-        won = b.claims._claim_for(0, 1, wanted=[shard])
+        won = b.claims._claim(wanted={shard: 0})
         b.claims.before_step()
         b.apply()
         assert won == [shard] and b.readers[0].positions[shard] == committed
@@ -380,7 +392,9 @@ def test_a_shard_read_to_its_end_is_released_at_the_next_commit(
         a.claims.close()
 
 
-def _stored(board: Board) -> dict:
+def _stored(board: Board, subkey: bytes | None = None) -> dict:
+    if subkey is not None:
+        return board.values["sw_shards"][subkey][0]
     ((value, _),) = board.values["sw_shards"].values()
     return value
 
@@ -408,7 +422,7 @@ def test_a_restart_takes_back_its_own_shards_and_leaves_one_taken_over(
         again.claims.start(statuses, saved, background=False)
         assert own in again.held() and other not in again.held()
         assert again.claims.held[own].token == saved["tokens"][own][0]
-        assert again.claims._plan[1] == [("withdraw", other, None)]
+        assert again.claims._plan[1] == [("withdraw", other, None, None)]
     finally:
         again.claims.close()
 
@@ -427,6 +441,8 @@ def test_a_restart_takes_back_its_own_shards_and_leaves_one_taken_over(
         (["data.num_shards=1"], "data.num_shards: with sharding 'claim' the swarm's corpus needs at least 2"),
         (["data.claim_settle_s=30"], "data.claim_settle_s: must be at most a third of lease_s"),
         (["data.lease_s=0"], "data.lease_s: must be a number of seconds > 0"),
+        (["eval.shard_index=9"], "eval.shard_index: the held-out shard must be one of data.num_shards (8)"),
+        (["data.shard_index=2"], "data.shard_index: with data.sharding 'claim' the site reads the shards"),
     ],
 )
 def test_claim_settings_are_checked_at_load_naming_the_field(
@@ -442,3 +458,160 @@ def test_claim_settings_are_checked_at_load_naming_the_field(
         load_site_config(path, fixed + overrides)
     assert message in str(err.value)
     assert load_site_config(path, ["eval.num_shards=8"]).data.claimed
+
+
+def test_a_shard_left_for_another_is_released_even_unread_since(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    try:
+        a.claims.start([{}], background=False)
+        a.step()
+        (first,) = a.held()
+        while a.readers[0].positions[first][0] == 0:  # no next shard: it reads the next epoch of its own
+            a.step()
+        a.claims.commit([a.readers[0].state_dict()])  # everything read so far is committed
+        assert a.held() == {first}
+        a.claims._top_up()  # a next shard comes: the reader leaves the wrapped one where it is
+        a.claims.before_step()
+        a.apply()
+        assert first not in a.readers[0].queue
+        a.claims.commit([a.readers[0].state_dict()])
+        assert first not in a.held() and len(a.held()) == 1
+    finally:
+        a.claims.close()
+
+
+def test_a_checkpoint_from_before_a_shard_was_claimed_again_does_not_release_it(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    try:
+        a.claims.start([{}], background=False)
+        a.step()
+        (shard,) = a.held()
+        old = a.readers[0].state_dict()
+        old["left"] = {shard: "an-earlier-claim"}  # a snapshot from when it had left the shard under another
+        a.claims.commit([old])
+        assert a.held() == {shard}
+    finally:
+        a.claims.close()
+
+
+def test_a_claim_the_dht_fails_midway_leaves_no_lease_and_no_crash(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    try:
+        a.claims.start([{}], background=False)
+        board.gets_left = 1  # the claim's first read answers, the one after its settle times out
+        assert not a.claims.prepare()  # said, not raised: the loop waits and tries again
+        assert not a.held() and _stored(board)["leases"] == [] and not a.claims._plan
+        board.gets_left, board.stores_fail = None, True  # now its lease cannot be written
+        a.claims._retry_at = 0.0
+        assert not a.claims.prepare() and not a.held()
+        board.stores_fail = False
+        a.claims._retry_at = 0.0
+        assert a.claims.prepare() and len(a.held()) == 1
+    finally:
+        a.claims.close()
+
+
+def test_a_site_that_cannot_serve_every_rank_keeps_nothing(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    others = Site(board, "o", corpus, tmp_path, readers=2)
+    d = Site(board, "d", corpus, tmp_path, readers=2)
+    try:
+        others.claims.start([{}, {}], background=False)
+        others.step()
+        others.claims._top_up()  # four of the five claimable shards held
+        assert len(others.held()) == 4
+        d.claims.start([{}, {}], background=False)
+        assert not d.claims.prepare()  # one free shard for two ranks: it cannot train
+        assert not d.held() and not d.claims._plan
+        d.claims._top_up()  # and takes no next shards either
+        assert not d.held()
+    finally:
+        others.claims.close()
+        d.claims.close()
+
+
+def test_a_lease_not_renewed_in_time_is_left(board: Board, corpus: Path, tmp_path: Path, caplog: Any) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    try:
+        a.claims.start([{}], background=False)
+        a.step()
+        (shard,) = a.held()
+        board.t += 31.0  # the DHT took none of its renewals for longer than a lease
+        with caplog.at_level(logging.WARNING):
+            a.claims._renew()
+        assert not a.held() and a.claims._plan == {0: [("withdraw", shard, None, None)]}
+        assert "could not renew the lease on shard" in caplog.text
+        expires = board.values["sw_shards"][b"a"][1]
+        a.claims._publish(wait=True)
+        assert board.values["sw_shards"][b"a"][1] > expires  # every write expires after the last
+    finally:
+        a.claims.close()
+
+
+def test_a_restart_outside_its_window_releases_everything_it_took_back(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path, readers=2)
+    a.claims.start([{}, {}], background=False)
+    a.step()
+    saved, statuses = a.claims.state_dict(), [r.status() for r in a.readers]
+    states = [r.state_dict() for r in a.readers]
+    taken = a.readers[1].queue[0]
+    a.claims.close()
+    board.values["sw_shards"][b"c"] = (
+        record("c", [Lease(taken, board.t - 100.0, board.t + 30.0, "c-token")]).to_wire(),
+        board.t + 1e4,
+    )
+    again = Site(board, "a", corpus, tmp_path, readers=2, peer="peer-a-restarted")
+    for reader, state in zip(again.readers, states, strict=True):
+        reader.load_state_dict(state)
+    try:
+        again.claims.start(statuses, saved, background=False)
+        again.claims.release_all("outside its window")  # what the node does when it is IDLE
+        again.apply()
+        assert [r.queue for r in again.readers] == [[], []] and not again.held()
+    finally:
+        again.claims.close()
+
+
+def test_claims_that_cross_in_the_dht_settle_on_the_earlier_one(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    b = Site(board, "b", corpus, tmp_path)
+    rival: dict[str, Any] = {}
+
+    def a_claims_the_same_shards_a_moment_earlier() -> None:  # a's store lands during b's settle
+        leases = [Lease(k, board.t - 0.2, board.t + 30.0, f"a-{k}") for k in range(SHARDS - 1)]
+        rival["record"] = record("a", leases)
+        board.values.setdefault("sw_shards", {})[b"a"] = (rival["record"].to_wire(), board.t + 1e4)
+
+    board.after_get.append(a_claims_the_same_shards_a_moment_earlier)
+    try:
+        b.claims.start([{}], background=False)
+        assert not b.claims.prepare()  # b wrote its lease, saw a's earlier one after settling, withdrew
+        assert not b.held() and _stored(board, b"b")["leases"] == []
+        assert merge([rival["record"]], "ds", board.t).holders[0].site == "a"
+    finally:
+        b.claims.close()
+
+
+def test_a_renewal_during_a_claims_settle_does_not_orphan_it(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    board.after_get.append(lambda: None)  # the claim's first read
+    board.after_get.append(lambda: a.claims._publish(wait=True, renew=True))  # renewed as it settles
+    try:
+        a.claims.start([{}], background=False)
+        assert a.claims.prepare()
+        a.apply()
+        assert a.held() == set(a.readers[0].queue) and len(a.held()) == 1
+    finally:
+        a.claims.close()

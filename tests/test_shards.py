@@ -316,9 +316,6 @@ def test_a_late_joiner_gets_only_unclaimed_shards(run: Run) -> None:
                     c for c in row["claims"] if c["site"] != "c" and c["claimed_at"] < c_at - SETTLE_S - 2.0
                 ]
                 assert not older, ("c claimed a held shard", row)
-    # ... and no site ever had to leave a shard to an earlier claim (what a stolen shard would cause)
-    for name, log in run.logs.items():
-        assert "which claimed it first" not in log, (name, log[-3000:])
 
 
 def test_leases_survive_a_bootstrap_restart(run: Run) -> None:

@@ -203,6 +203,17 @@ class SiteConfig:
                 f"evaluation), and many more than the swarm's ranks: got {count}",
                 field="data.num_shards",
             )
+        if self.eval.shard_index >= count:
+            raise ConfigError(
+                f"the held-out shard must be one of data.num_shards ({count}): got {self.eval.shard_index}",
+                field="eval.shard_index",
+            )
+        if self.data.shard_index:
+            raise ConfigError(
+                "with data.sharding 'claim' the site reads the shards it claims, not a shard of its own: "
+                f"leave data.shard_index at 0 (got {self.data.shard_index}), or use sharding 'fixed'",
+                field="data.shard_index",
+            )
 
     def load_trace(self, path: str | None = None) -> Trace:
         """The site's trace (or the file at ``path``, read the same way), refused when it lacks the

@@ -80,8 +80,9 @@ KEYS_BY_INDEX = "index"
 SHARDINGS = ("fixed", "claim")
 #: the fields of :class:`DataConfig` that say how shards are handed out, not which documents a shard holds
 CLAIM_FIELDS = ("sharding", "lease_s", "claim_settle_s")
-#: the most shards a claimed corpus may be cut into (every site's shard record lists what it knows of each)
-MAX_CLAIMED_SHARDS = 4096
+#: the most shards a claimed corpus may be cut into: every site's shard record lists what it knows of
+#: each (about 22 KB at 1024), and one DHT read returns every site's record (p2pd carries at most 4 MB)
+MAX_CLAIMED_SHARDS = 1024
 
 
 @dataclass

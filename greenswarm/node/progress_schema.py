@@ -53,7 +53,7 @@ class RecordModel(pyd.BaseModel):
 
 
 #: at most this many shards in a claimed corpus (greenswarm.node.data.MAX_CLAIMED_SHARDS)
-_MAX_SHARDS = 4096
+_MAX_SHARDS = 1024
 _Count = pyd.conint(strict=True, ge=0)
 
 

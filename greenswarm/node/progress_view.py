@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -106,10 +106,17 @@ def show_progress(
             return records
         return [r for r in records if admission.revoked(r.peer_id) is None]
 
+    def members_shards() -> list:
+        """The shard records, less those of members the revocation list names."""
+        records = fetch_shard_records(dht, swarm)
+        if admission is None:
+            return records
+        return [r for r in records if admission.revoked(r.peer_id) is None]
+
     console = wide_console()
     if shards:
         try:
-            return _show_shards(dht, swarm, as_json, watch, console)
+            return _show_shards(members_shards, swarm, as_json, watch, console)
         except KeyboardInterrupt:
             return 0
         finally:
@@ -128,7 +135,7 @@ def show_progress(
                 print(records_json(records))
             elif records:
                 console.print(progress_table(records, title=f"swarm '{swarm}'"))
-                summary = shards_summary(shard_listing(fetch_shard_records(dht, swarm)))
+                summary = shards_summary(shard_listing(members_shards()))
                 if summary:
                     console.print(summary)
             else:
@@ -157,13 +164,15 @@ def show_progress(
         dht.shutdown()
 
 
-def _show_shards(dht: Any, swarm: str, as_json: bool, watch: float | None, console: Any) -> int:
+def _show_shards(
+    records: Callable[[], list], swarm: str, as_json: bool, watch: float | None, console: Any
+) -> int:
     """``greenswarm progress --shards``: the claimed shards' table (or JSON), once or every ``watch`` s."""
     while True:
-        listing = shard_listing(fetch_shard_records(dht, swarm))
+        listing = shard_listing(records())
         for _ in range(6 if watch is None and not listing else 0):  # a just-started reader may need a moment
             time.sleep(0.5)
-            listing = shard_listing(fetch_shard_records(dht, swarm))
+            listing = shard_listing(records())
         if as_json:
             print(listing_json(listing, indent=None if watch is not None else 2), flush=True)
         elif not listing:

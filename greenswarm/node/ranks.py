@@ -69,7 +69,7 @@ class SiteRanks:
     def idle(self) -> None:
         self.run(Op.IDLE)
 
-    def assign(self, plan: dict[int, list[tuple[str, int, Any]]]) -> None:
+    def assign(self, plan: dict[int, list[tuple[str, int, Any, Any]]]) -> None:
         """Give claimed shards to, or take them from, the ranks' readers (``plan``: rank -> actions)."""
         self.run(Op.ASSIGN, plan)
 

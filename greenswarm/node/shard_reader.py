@@ -69,6 +69,12 @@ class ClaimedBatches:
         self.queue: list[int] = []
         self.positions: dict[int, Position] = {}
         self.sizes: dict[int, int] = {}
+        # the claim each queued shard was assigned under, and the claim each shard that left the queue
+        # (read to its end, withdrawn, or a wrapped one left for a new one) was assigned under: what a
+        # checkpoint tells rank 0 of which leases it may release (a shard claimed again since has
+        # another token, so an older checkpoint never releases the new claim)
+        self.tokens: dict[int, str] = {}
+        self.left: dict[int, str] = {}
         self._batches = 0
         self._reading: _Reading | None = None
         self._wrapped: set[int] = set()  # shards read past their epoch for want of a next one
@@ -80,9 +86,10 @@ class ClaimedBatches:
 
     # ---- what rank 0 decides
 
-    def assign(self, shard: int, position: Position) -> None:
+    def assign(self, shard: int, position: Position, token: str = "") -> None:
         """Read ``shard`` from ``position`` (or from where this reader already is in it, if further),
-        after the shards already queued. A shard read past its epoch for want of this one is left."""
+        after the shards already queued, under the claim ``token``. A shard read past its epoch for want
+        of this one is left."""
         position = tuple(int(x) for x in position)  # type: ignore[assignment]
         if not 0 <= shard < self.cfg.num_shards:
             raise ValueError(f"shard {shard} is not one of {self.cfg.num_shards}")
@@ -90,6 +97,8 @@ class ClaimedBatches:
             if wrapped != shard:
                 self.withdraw(wrapped)
         self._wrapped.discard(shard)
+        self.tokens[shard] = token
+        self.left.pop(shard, None)
         here = self.positions.get(shard, START)
         if position > here:
             self.positions[shard] = position
@@ -104,9 +113,15 @@ class ClaimedBatches:
         """Stop reading ``shard`` (released or lost): its position stays where reading left it."""
         if shard in self.queue:
             self.queue.remove(shard)
+            self.left[shard] = self.tokens.pop(shard, "")
         self._wrapped.discard(shard)
         if self._reading is not None and self._reading.shard == shard:
             self._reading = None
+
+    def clear(self) -> None:
+        """Stop reading every shard (the site released them all)."""
+        for shard in list(self.queue):
+            self.withdraw(shard)
 
     def status(self) -> dict[str, Any]:
         """What rank 0 needs after each step: the queue, and where each queued shard is."""
@@ -160,8 +175,7 @@ class ClaimedBatches:
         self.positions[shard] = (epoch + 1, 0, 0)
         self._reading = None
         if len(self.queue) > 1:
-            self.queue.pop(0)
-            self._wrapped.discard(shard)
+            self.withdraw(shard)
         else:
             self._wrapped.add(shard)
             log.debug(
@@ -194,6 +208,8 @@ class ClaimedBatches:
             "queue": list(self.queue),
             "positions": dict(self.positions),
             "sizes": dict(self.sizes),
+            "tokens": dict(self.tokens),
+            "left": dict(self.left),
             "batches": self._batches,
             "data": self.fingerprint(),
         }
@@ -210,14 +226,27 @@ class ClaimedBatches:
             )
             return
         saved, now = state.get("data") or {}, self.fingerprint()
-        if saved != now:
+        other = {k: v for k, v in saved.items() if k != "files"}
+        if other != {k: v for k, v in now.items() if k != "files"}:
             raise ConfigError(
                 f"the claimed shards' positions were saved for {saved}, but the data is now {now}; "
                 "the shards or their order changed, so the positions cannot be resumed"
             )
+        if saved.get("files") != now["files"]:  # files were added: positions name other documents
+            log.warning(
+                "the claimed shards' positions were saved when %r had %s files; it has %d now, so they "
+                "name other documents (and the swarm's records another corpus): this reader starts with "
+                "no shard",
+                self.cfg.source,
+                saved.get("files"),
+                now["files"],
+            )
+            return
         self.queue = [int(k) for k in state["queue"]]
         self.positions = {int(k): tuple(int(x) for x in v) for k, v in state["positions"].items()}  # type: ignore[misc]
         self.sizes = {int(k): int(v) for k, v in state.get("sizes", {}).items()}
+        self.tokens = {int(k): str(v) for k, v in state.get("tokens", {}).items()}
+        self.left = {int(k): str(v) for k, v in state.get("left", {}).items()}
         self._batches = int(state.get("batches", 0))
         self._reading, self._wrapped = None, set()
 
@@ -230,6 +259,20 @@ class ClaimedBatches:
         if self._files is None:
             self._files = open_source(self.cfg.with_shard(0, self.cfg.num_shards), quiet=True).sharding.files
         return self._files
+
+
+def apply_plan(reader: ClaimedBatches, actions: list[tuple[str, int, Any, Any]]) -> None:
+    """What rank 0 planned for this reader (node/shard_claims.py): ``(action, shard, position, token)``
+    with action "assign", "withdraw" or "clear" (every shard), in order."""
+    for action, shard, position, token in actions:
+        if action == "assign":
+            reader.assign(shard, position, token or "")
+        elif action == "withdraw":
+            reader.withdraw(shard)
+        elif action == "clear":
+            reader.clear()
+        else:
+            raise ValueError(f"unknown shard action {action!r}")
 
 
 def dataset_settings(cfg: DataConfig, tokenizer: Any, files: int) -> dict[str, Any]:

@@ -52,10 +52,8 @@ def shard_listing(records: Sequence[ShardRecord], now: float | None = None) -> l
 
 
 def _swarm_epoch(view: SwarmShards) -> int:
-    """The epoch the swarm reads now: the lowest next epoch of any shard some reader has started
-    (a held-out shard is never started, and stays out of it)."""
-    started = [k for k in range(view.count) if k in view.positions or k in view.holders]
-    return min((view.next_epoch(k) for k in started), default=0)
+    """The epoch the swarm reads now: the lowest next epoch of any shard but the held-out ones."""
+    return min((view.next_epoch(k) for k in range(view.count) if k not in view.excluded), default=0)
 
 
 def shards_table(entry: dict[str, Any], now: float | None = None) -> Table:

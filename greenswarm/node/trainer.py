@@ -19,7 +19,7 @@ from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters, model_identity
-from greenswarm.node.shard_reader import ClaimedBatches
+from greenswarm.node.shard_reader import ClaimedBatches, apply_plan
 from greenswarm.node.tokenizer import load_tokenizer
 
 
@@ -132,17 +132,12 @@ class InnerTrainer:
         statuses = self._gather_objects(self.batches.status())
         return statuses if self.world.is_leader else None
 
-    def assign_shards(self, plan: dict[int, list[tuple[str, int, Any]]] | None) -> None:
-        """Rank 0's ``plan`` (rank -> [("assign", shard, position) | ("withdraw", shard, None)]) applied
-        by each rank to its own reader. A collective under torchrun."""
+    def assign_shards(self, plan: dict[int, list[tuple[str, int, Any, Any]]] | None) -> None:
+        """Rank 0's ``plan`` (rank -> [(action, shard, position, token)]: "assign", "withdraw" or "clear";
+        node/shard_claims.py) applied by each rank to its own reader. A collective under torchrun."""
         plan = self.world.broadcast(plan)
-        if not isinstance(self.batches, ClaimedBatches) or not plan:
-            return
-        for action, shard, position in plan.get(self.world.rank, []):
-            if action == "assign":
-                self.batches.assign(shard, position)
-            else:
-                self.batches.withdraw(shard)
+        if isinstance(self.batches, ClaimedBatches) and plan:
+            apply_plan(self.batches, plan.get(self.world.rank, []))
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast when ``train.precision`` asks for it (parameters stay fp32), else a no-op."""
