@@ -79,6 +79,7 @@ class ClaimedBatches:
         self._reading: _Reading | None = None
         self._wrapped: set[int] = set()  # shards read past their epoch for want of a next one
         self._files: int | None = None
+        self._moved = True  # the queue changed since rank 0 last heard (see take_moved)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -99,6 +100,7 @@ class ClaimedBatches:
         self._wrapped.discard(shard)
         self.tokens[shard] = token
         self.left.pop(shard, None)
+        self._moved = True
         here = self.positions.get(shard, START)
         if position > here:
             self.positions[shard] = position
@@ -114,6 +116,7 @@ class ClaimedBatches:
         if shard in self.queue:
             self.queue.remove(shard)
             self.left[shard] = self.tokens.pop(shard, "")
+            self._moved = True
         self._wrapped.discard(shard)
         if self._reading is not None and self._reading.shard == shard:
             self._reading = None
@@ -122,6 +125,12 @@ class ClaimedBatches:
         """Stop reading every shard (the site released them all)."""
         for shard in list(self.queue):
             self.withdraw(shard)
+
+    def take_moved(self) -> bool:
+        """Whether the queue changed (or a shard's epoch ended) since the last call: rank 0 then needs
+        the readers' :meth:`status` after the step."""
+        moved, self._moved = self._moved, False
+        return moved
 
     def status(self) -> dict[str, Any]:
         """What rank 0 needs after each step: the queue, and where each queued shard is."""
@@ -174,6 +183,7 @@ class ClaimedBatches:
         epoch = self.positions[shard][0]
         self.positions[shard] = (epoch + 1, 0, 0)
         self._reading = None
+        self._moved = True
         if len(self.queue) > 1:
             self.withdraw(shard)
         else:

@@ -113,13 +113,17 @@ class InnerTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        claimed = isinstance(self.batches, ClaimedBatches)
+        moved = float(claimed and self.batches.take_moved())  # a reader's queue changed in this step
         if self.world.distributed:
-            box = torch.tensor([total], device=self.world.device)
+            box = torch.tensor([total, moved], device=self.world.device)
             torch.distributed.all_reduce(box)
-            total = float(box) / self.world.world_size
+            total, moved = float(box[0]) / self.world.world_size, float(box[1])
         if not math.isfinite(total):
             raise FloatingPointError(f"inner loss is {total} at step {self.steps}")
-        data = self.data_status() if isinstance(self.batches, ClaimedBatches) else None
+        # the readers' queues for rank 0, gathered only in a step that changed one (the flag rode on the
+        # loss's all-reduce): most steps move inside one shard, and cost no gather
+        data = self.data_status() if moved else None
         return StepStats(loss=total, tokens=self.tokens_per_step, data=data)
 
     # ---- claimed shards (data.sharding: claim)
