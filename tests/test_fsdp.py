@@ -22,7 +22,7 @@ from tests.conftest import Swarm, site_config, write_trace
 
 pytestmark = pytest.mark.swarm
 
-SPEEDUP, HOURS = 300.0, 3  # a round every 6 wall seconds: the three-rank site steps slowly on 2 cores
+SPEEDUP, HOURS = 300.0, 4  # a round every 6 wall s, 8 rounds: the three-rank site steps slowly on 2 cores
 #: name -> (ranks, batch, micro-batch): one rank of 4, two of 4 in micro-batches of 2, three of 2 in 1s
 SITES = {"one": (1, 4, 4), "two": (2, 8, 2), "three": (3, 6, 1)}
 

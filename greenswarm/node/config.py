@@ -31,6 +31,12 @@ Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
 #: on-crash: fork a new node at once when it dies by a signal; never: end with it
 Restart = Literal["on-crash", "never"]
+#: the inner optimizer: AdamW with ``train.schedule``, or Schedule-Free AdamW (node/schedule_free.py)
+Optimizer = Literal["adamw", "adamw-schedulefree"]
+#: AdamW's learning rate after warm-up: held, or cosine-decayed to ``min_lr_ratio`` over ``total_steps``
+Schedule = Literal["constant", "cosine"]
+#: how a swarm moves schedule-free ``z`` with ``x`` (docs/schedule_free.md)
+ZMode = Literal["average", "shift", "reset"]
 
 
 def _check_choice(value: object, kind: object, name: str) -> None:
@@ -41,10 +47,20 @@ def _check_choice(value: object, kind: object, name: str) -> None:
 
 @dataclass
 class TrainConfig:
-    """The inner loop: AdamW with warm-up, gradient accumulation up to ``batch_size`` sequences.
+    """The inner loop: the optimizer with warm-up, gradient accumulation up to ``batch_size`` sequences.
 
     ``batch_size`` is the site's effective batch per optimizer step (all ranks together);
     ``micro_batch_size`` is what one rank holds in one forward/backward.
+
+    ``optimizer``: ``adamw`` (the learning rate after warm-up as ``schedule`` says: ``constant``, or
+    ``cosine`` down to ``min_lr_ratio`` x ``lr`` at ``total_steps`` inner steps and held there, which
+    needs the run's length in advance), or ``adamw-schedulefree``, which needs none (a curtailed run
+    never knows it; docs/schedule_free.md): ``sf_beta`` interpolates where gradients are taken,
+    ``sf_momentum`` is ScheduleFree+'s inner momentum (0: off), and ``sf_z`` says how the swarm moves
+    the optimizer's ``z`` with the model -- ``average`` it too (twice the bytes per round), ``shift`` it
+    by the same outer step, or ``reset`` it to the model. Every site of a swarm must configure
+    ``optimizer`` and ``sf_z`` alike (they decide what a round averages; a differing site never meets
+    the others' groups).
     """
 
     batch_size: int = 8
@@ -58,6 +74,17 @@ class TrainConfig:
     device: Device = "auto"
     precision: Precision = "fp32"
     threads: int = 0  # torch CPU threads per process (0: torch's default)
+    optimizer: Optimizer = "adamw"
+    schedule: Schedule = "constant"
+    total_steps: int = 0  # inner steps the cosine schedule spans (schedule: cosine)
+    min_lr_ratio: float = 0.1
+    sf_beta: float = 0.9
+    sf_momentum: float = 0.0
+    sf_z: ZMode = "average"
+
+    @property
+    def schedule_free(self) -> bool:
+        return self.optimizer == "adamw-schedulefree"
 
     def validate(self) -> None:
         for name in ("batch_size", "micro_batch_size"):
@@ -79,8 +106,33 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.threads < 0:
             name = "warmup_steps" if self.warmup_steps < 0 else "threads"
             raise ConfigError("must be >= 0", field=name)
-        for name, kind in (("device", Device), ("precision", Precision)):
+        for name, kind in (
+            ("device", Device),
+            ("precision", Precision),
+            ("optimizer", Optimizer),
+            ("schedule", Schedule),
+            ("sf_z", ZMode),
+        ):
             _check_choice(getattr(self, name), kind, name)
+        if self.schedule == "cosine":
+            if self.schedule_free:
+                raise ConfigError(
+                    "a schedule-free optimizer takes no schedule (leave schedule: constant)", field="schedule"
+                )
+            if self.total_steps <= self.warmup_steps:
+                raise ConfigError(
+                    f"the cosine schedule needs total_steps > warmup_steps ({self.warmup_steps}), "
+                    f"got {self.total_steps}",
+                    field="total_steps",
+                )
+        if self.total_steps < 0:
+            raise ConfigError("must be >= 0", field="total_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"must be in [0, 1], got {self.min_lr_ratio}", field="min_lr_ratio")
+        if not 0 < self.sf_beta < 1:
+            raise ConfigError(f"must be in (0, 1), got {self.sf_beta}", field="sf_beta")
+        if not 0 <= self.sf_momentum < 1:
+            raise ConfigError(f"must be in [0, 1), got {self.sf_momentum}", field="sf_momentum")
 
 
 @dataclass

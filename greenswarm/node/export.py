@@ -26,7 +26,7 @@ from greenswarm.averaging.outer import unflatten
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.evaluation import BEST_DIR, INDEX, BestEntry
-from greenswarm.node.model import ModelConfig
+from greenswarm.node.model import ModelConfig, ModelIdentity
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def export_run(
     shapes = [torch.Size(shape) for _, shape in described["parameters"]]
     flat = _evaluated(payload, names, source) if best else payload["outer"][0]
     expected = sum(s.numel() for s in shapes)
+    if not best and flat.numel() == 2 * expected and _holds_z(described):
+        flat = flat[:expected]  # schedule-free x, then the z the swarm averages too: the model is x
     if flat.numel() != expected:
         raise GreenswarmError(
             f"{source} holds a model of {flat.numel():,} values, but {run_dir / MODEL_FILE} describes "
@@ -205,6 +207,12 @@ def kept_best(run_dir: Path) -> list[BestEntry]:
     except (OSError, ValueError, TypeError, KeyError):
         entries = [e for p in directory.glob("*.pt") if (e := BestEntry.from_name(p)) is not None]
     return [e for e in entries if (directory / e.file).is_file()]
+
+
+def _holds_z(described: dict[str, Any]) -> bool:
+    """Whether the run's global state is schedule-free ``x`` followed by ``z`` (``train.sf_z: average``)."""
+    identity = ModelIdentity.from_wire(str(described.get("identity", "")))
+    return identity is not None and identity.state == "x+z"
 
 
 def _evaluated(payload: dict[str, Any], names: list[str], source: Path) -> torch.Tensor:

@@ -324,8 +324,10 @@ class ModelIdentity:
     tokenizer's fingerprint; ``weights`` is a fingerprint of the starting weights (a preset's seed, a
     config's seed, an ``init_from`` directory's weights): sites that start from different weights would
     average progress made from different places. ``transformers`` is the library's version, named in
-    a refusal because a config's keys can differ between versions. A progress record carries
-    :meth:`to_wire`; a site refuses to train with a site whose identity differs, naming both.
+    a refusal because a config's keys can differ between versions. ``state`` is what the site's global
+    state holds (the trainer's ``state_layout``: ``params`` with AdamW, schedule-free ``x`` or ``x+z``):
+    sites that average different things must not meet. A progress record carries :meth:`to_wire`; a
+    site refuses to train with a site whose identity differs, naming both.
     """
 
     architecture: str
@@ -334,6 +336,7 @@ class ModelIdentity:
     digest: str
     weights: str
     transformers: str = ""
+    state: str = "params"
 
     def __str__(self) -> str:
         return (
@@ -343,8 +346,10 @@ class ModelIdentity:
 
     @property
     def key(self) -> str:
-        """What averaging groups are keyed by: sites of another model never meet this one."""
-        return f"{self.digest}-{self.weights}"
+        """What averaging groups are keyed by: sites of another model, or of another optimizer's
+        global state, never meet this one."""
+        base = f"{self.digest}-{self.weights}"
+        return base if self.state == "params" else f"{base}-{self.state.replace('/', '-').replace('+', '')}"
 
     def differences(self, other: ModelIdentity) -> list[str]:
         """What differs from ``other``, in words."""
@@ -355,6 +360,7 @@ class ModelIdentity:
                 ("parameter count", self.parameters, other.parameters),
                 ("tokenizer", self.tokenizer, other.tokenizer),
                 ("starting weights (model.seed, model.init_from)", self.weights, other.weights),
+                ("inner optimizer's global state (train.optimizer, train.sf_z)", self.state, other.state),
             )
             if a != b
         ]
@@ -371,15 +377,16 @@ class ModelIdentity:
 
     def to_wire(self) -> str:
         fields = (self.architecture, str(self.parameters), self.tokenizer, self.digest, self.weights)
-        return "|".join((*fields, self.transformers))
+        extra = () if self.state == "params" else (self.state,)  # (as an AdamW site always wrote it)
+        return "|".join((*fields, self.transformers, *extra))
 
     @classmethod
     def from_wire(cls, text: str) -> ModelIdentity | None:
         """The identity a record carries (None when it is not one)."""
         parts = text.split("|")
-        if len(parts) != 6 or not parts[1].isdigit():
+        if len(parts) not in (6, 7) or not parts[1].isdigit():
             return None
-        return cls(parts[0], int(parts[1]), parts[2], parts[3], parts[4], parts[5])
+        return cls(parts[0], int(parts[1]), parts[2], parts[3], parts[4], parts[5], *parts[6:])
 
 
 #: config keys that name, version or tune a model without changing what it computes
@@ -390,7 +397,9 @@ _NOT_ARCHITECTURE = {
 }  # fmt: skip
 
 
-def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str, cfg: ModelConfig) -> ModelIdentity:
+def model_identity(
+    model: torch.nn.Module, tokenizer_fingerprint: str, cfg: ModelConfig, state: str = "params"
+) -> ModelIdentity:
     """The :class:`ModelIdentity` of a model built from ``cfg`` (unsharded, not yet trained) and its
     tokenizer.
 
@@ -412,6 +421,7 @@ def model_identity(model: torch.nn.Module, tokenizer_fingerprint: str, cfg: Mode
         digest,
         f"init-{weights_fingerprint(model)}" if cfg.init_from is not None else f"seed-{cfg.seed}",
         str(transformers.__version__),
+        state,
     )
 
 

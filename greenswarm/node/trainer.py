@@ -1,8 +1,12 @@
-"""The inner loop: a causal LM trained with AdamW on this site's shard, sharded with FSDP2 under torchrun.
+"""The inner loop: a causal LM trained with AdamW (or Schedule-Free AdamW) on this site's shard, sharded
+with FSDP2 under torchrun.
 
 The node sees the model only through :class:`InnerTrainer`: one optimizer step at a time, and the
-full parameters as one flat CPU vector (gathered to rank 0 under FSDP) so the outer step and the
-averager never care how the model is laid out.
+model as one flat CPU vector (gathered to rank 0 under FSDP) so the outer step and the averager never
+care how the model is laid out. With AdamW the vector is the parameters; with Schedule-Free it is the
+average ``x`` (the model to evaluate and export), followed by the base sequence ``z`` when the swarm
+averages it too (``train.sf_z: average``; docs/schedule_free.md), and the parameters themselves hold
+the gradient point ``y``, which the optimizer computes from the two.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters, model_identity
+from greenswarm.node.schedule_free import ScheduleFreeAdamW
 from greenswarm.node.shard_reader import ClaimedBatches, apply_plan
 from greenswarm.node.tokenizer import load_tokenizer
 
@@ -62,17 +67,31 @@ class InnerTrainer:
         self.shapes = [p.shape for p in self.model.parameters()]
         self.names = [name for name, _ in self.model.named_parameters()]  # the flat vector's order
         self.identity = model_identity(
-            self.model, self.tokenizer.fingerprint, model_cfg
+            self.model, self.tokenizer.fingerprint, model_cfg, state_layout(train_cfg)
         )  # what every site must share
         if world.distributed:
             _shard_with_fsdp(self.model)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=train_cfg.lr,
-            betas=(train_cfg.beta1, train_cfg.beta2),
-            weight_decay=train_cfg.weight_decay,
-        )
+        self.optimizer: torch.optim.Optimizer
+        self.schedule_free: ScheduleFreeAdamW | None = None
+        if getattr(train_cfg, "schedule_free", False):
+            self.optimizer = self.schedule_free = ScheduleFreeAdamW(
+                self.model.parameters(),
+                lr=train_cfg.lr,
+                beta=train_cfg.sf_beta,
+                beta2=train_cfg.beta2,
+                weight_decay=train_cfg.weight_decay,
+                warmup_steps=train_cfg.warmup_steps,
+                momentum=train_cfg.sf_momentum,
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=train_cfg.lr,
+                betas=(train_cfg.beta1, train_cfg.beta2),
+                weight_decay=train_cfg.weight_decay,
+            )
+        self.layout = state_layout(train_cfg)
         per_rank = train_cfg.batch_size // world.world_size
         if per_rank < 1 or train_cfg.batch_size % world.world_size:
             raise ValueError(
@@ -92,13 +111,21 @@ class InnerTrainer:
         self.tokens_per_step = self.micro_batch * self.accumulation * data_cfg.seq_len * world.world_size
 
     def _lr(self) -> float:
-        warmup = self.cfg.warmup_steps
-        return self.cfg.lr * min(1.0, (self.steps + 1) / warmup) if warmup else self.cfg.lr
+        """AdamW's learning rate for the next step: linear warm-up, then held or cosine-decayed."""
+        cfg, step = self.cfg, self.steps + 1
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return cfg.lr * step / cfg.warmup_steps
+        if getattr(cfg, "schedule", "constant") != "cosine":
+            return cfg.lr
+        done = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        floor = cfg.lr * cfg.min_lr_ratio
+        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * done))
 
     def step(self) -> StepStats:
         """One optimizer step over ``accumulation`` micro-batches (a collective under FSDP)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr()
+        if self.schedule_free is None:  # (Schedule-Free warms up inside: its average weighs by it)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr()
         total = 0.0
         autocast = self._autocast()
         for _ in range(self.accumulation):
@@ -162,6 +189,8 @@ class InnerTrainer:
             raise ValueError("evaluate needs at least one batch")
         was_training = self.model.training
         self.model.eval()
+        if self.schedule_free is not None:
+            self.schedule_free.show_x()  # the model is x; y comes back bit for bit below
         try:
             total = torch.zeros((), device=self.world.device)
             for batch in batches:
@@ -170,6 +199,8 @@ class InnerTrainer:
             loss = float(total) / len(batches)
         finally:
             self.model.train(was_training)
+            if self.schedule_free is not None:
+                self.schedule_free.sync_y()
         return float(self.world.broadcast(loss))
 
     # ---- the model as one flat vector ----
@@ -179,33 +210,67 @@ class InnerTrainer:
 
         return p.full_tensor() if isinstance(p, DTensor) else p
 
+    def _vectors(self) -> list[list[torch.Tensor]]:
+        """The tensors the flat vector holds, in its order: the parameters; or schedule-free ``x``,
+        and ``z`` after it when the swarm averages ``z`` too."""
+        if self.schedule_free is None:
+            return [list(self.model.parameters())]
+        names = ["x", "z"] if self.layout == "x+z" else ["x"]
+        return [self.schedule_free.sequences(name) for name in names]
+
     @torch.no_grad()
     def full_parameters(self) -> torch.Tensor | None:
-        """All parameters as one flat fp32 CPU vector on rank 0 (None elsewhere); a collective."""
-        tensors = [self._full(p.detach()).to("cpu", torch.float32) for p in self.model.parameters()]
+        """The model as one flat fp32 CPU vector on rank 0 (None elsewhere; see the module's docstring
+        for what it holds); a collective."""
+        tensors = [self._full(t.detach()).to("cpu", torch.float32) for ts in self._vectors() for t in ts]
         return flatten(tensors) if self.world.is_leader else None
 
     @torch.no_grad()
     def load_full_parameters(self, flat: torch.Tensor | None, add: bool = False) -> None:
-        """Set all parameters from rank 0's flat vector (ignored elsewhere), or ``add`` it to them; a
-        collective."""
+        """Set the model from rank 0's flat vector (ignored elsewhere), or ``add`` it to it; a
+        collective. Schedule-free: the vector sets ``x``; ``z`` is set from it too (``sf_z:
+        average``), moved by as much as ``x`` moved (``shift``) or set to ``x`` (``reset``); adding
+        moves both alike; and the parameters become ``y`` of the two."""
+        if self.schedule_free is None:
+            for target, value in self._scatter(flat, list(self.model.parameters()), 0):
+                target.add_(value) if add else target.copy_(value)
+            return
+        xs, zs = self.schedule_free.sequences("x"), self.schedule_free.sequences("z")
+        numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
+        second = numel if self.layout == "x+z" else 0  # where z's values start ("average"), or x's again
+        for (x, value), (z, z_value) in zip(
+            self._scatter(flat, xs, 0), self._scatter(flat, zs, second), strict=True
+        ):
+            if add:
+                x.add_(value)
+                z.add_(z_value)
+            elif self.layout == "x+z" or self.cfg.sf_z == "reset":
+                x.copy_(value)
+                z.copy_(z_value)
+            else:  # shift: z keeps its lead over x
+                z.sub_(x).add_(value)
+                x.copy_(value)
+        self.schedule_free.sync_y()
+
+    def _scatter(
+        self, flat: torch.Tensor | None, targets: list[torch.Tensor], offset: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(local tensor, its values) for each of ``targets`` (one per parameter, each shaped like it)
+        from rank 0's ``flat`` starting at ``offset``: each rank's shard of a sharded one."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        offset = 0
-        for p, shape in zip(self.model.parameters(), self.shapes, strict=True):
+        pairs = []
+        for t, shape in zip(targets, self.shapes, strict=True):
             n = int(torch.Size(shape).numel())
-            if isinstance(p, DTensor):
+            if isinstance(t, DTensor):
                 full = flat[offset : offset + n].view(shape) if self.world.is_leader else torch.empty(shape)
-                full = full.to(p.device_mesh.device_type, p.dtype)
-                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
-                target, value = p.to_local(), shard.to_local().to(p.to_local().device)
+                full = full.to(t.device_mesh.device_type, t.dtype)
+                shard = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=0)
+                pairs.append((t.to_local(), shard.to_local().to(t.to_local().device)))
             else:
-                target, value = p, flat[offset : offset + n].view(shape).to(p.device, p.dtype)
-            if add:
-                target.add_(value)
-            else:
-                target.copy_(value)
+                pairs.append((t, flat[offset : offset + n].view(shape).to(t.device, t.dtype)))
             offset += n
+        return pairs
 
     # ---- checkpoints ----
 
@@ -220,10 +285,30 @@ class InnerTrainer:
         if own:  # copy only what is live: a sharded or GPU site's state dict is a CPU copy already
             live = {t.data_ptr() for t in self._live_tensors()}
             model_sd, optim_sd = _owned(model_sd, live), _owned(optim_sd, live)
+        if self.schedule_free is not None and self.world.is_leader:
+            # the model a checkpoint holds is x, the one to evaluate and export; y is recomputed from x
+            # and z on restore, bit for bit (node/schedule_free.py)
+            for name in list(model_sd):
+                if name in optim_sd["state"]:  # (a new dict: the optimizer's own must keep its x)
+                    entry = dict(optim_sd["state"][name])
+                    model_sd[name] = entry.pop("x")
+                    optim_sd["state"][name] = entry
+            for alias, name in self._aliases().items():  # a tied weight (lm_head) is its owner's x too
+                model_sd[alias] = model_sd[name].clone()  # (its own tensor, as get_state_dict gives it)
         positions = self._gather_objects(self.batches.state_dict())
         if not self.world.is_leader:
             return None
         return {"model": model_sd, "optimizer": optim_sd, "data": positions, "steps": self.steps}
+
+    def _aliases(self) -> dict[str, str]:
+        """Second names of shared parameters (a head tied to the embeddings) -> the name they are
+        trained under."""
+        owners = {id(p): name for name, p in self.model.named_parameters()}
+        return {
+            name: owners[id(p)]
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+            if owners[id(p)] != name
+        }
 
     def _live_tensors(self) -> list[torch.Tensor]:
         """Every tensor a training step changes in place: parameters, buffers, optimizer state."""
@@ -239,22 +324,82 @@ class InnerTrainer:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore from rank 0's :meth:`state_dict` (a collective under FSDP)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world.distributed)
         state = state if self.world.is_leader else {}
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state.get("model", {}),
-            optim_state_dict=state.get("optimizer", {}),
-            options=options,
-        )
+        if self.world.distributed:
+            self._load_sharded(state)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state.get("model", {}),
+                optim_state_dict=state.get("optimizer", {}),
+                options=StateDictOptions(full_state_dict=True),
+            )
+        if self.schedule_free is not None:
+            self.schedule_free.adopt_x_from_parameters()  # the model loaded x: make it the state's
         positions = self.world.broadcast(state.get("data"))
         self.steps = int(self.world.broadcast(state.get("steps", 0)))
         if positions:
             self.batches.load_state_dict(positions[self.world.rank])
             self._iterator = iter(self.batches)
+
+    @torch.no_grad()
+    def _load_sharded(self, state: dict[str, Any]) -> None:
+        """Rank 0's full model and optimizer state, each rank keeping its shards.
+
+        Not ``set_state_dict(broadcast_from_rank0=True)``: with torch 2.13 it fails on a model whose
+        head is tied to its embeddings (the ranks fall out of step in its broadcasts). Here rank 0 first
+        says what there is (which state entries are tensors to shard, which are values, and the
+        optimizer's groups), then every tensor is scattered as the flat vector is
+        (``distribute_tensor`` from rank 0), so no rank ever holds more than one full tensor."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        leader = self.world.is_leader
+        model_sd, optim_sd = state.get("model", {}), state.get("optimizer", {})
+
+        def kinds(entry: dict[str, Any]) -> dict[str, tuple]:
+            return {
+                key: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() else ("value", v)
+                for key, v in entry.items()
+            }
+
+        plan = self.world.broadcast(
+            {
+                "state": {name: kinds(entry) for name, entry in optim_sd.get("state", {}).items()},
+                "groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in optim_sd.get("param_groups", [])
+                ],
+            }
+            if leader
+            else None
+        )
+
+        def scattered(
+            full: torch.Tensor | None, like: torch.Tensor, shape: tuple, dtype: torch.dtype
+        ) -> torch.Tensor:
+            full = full if leader and full is not None else torch.empty(shape, dtype=dtype)
+            if not isinstance(like, DTensor):
+                return self.world.broadcast(full).to(like.device)
+            full = full.to(like.device_mesh.device_type, dtype)
+            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
+
+        params = dict(self.model.named_parameters())  # (a tied head once, under its owner's name)
+        for name, p in params.items():
+            value = scattered(model_sd.get(name), p, tuple(p.shape), p.dtype)
+            target = p.to_local() if isinstance(p, DTensor) else p
+            target.copy_(value.to_local() if isinstance(value, DTensor) else value)
+        for name, entry in plan["state"].items():
+            p = params[name]
+            self.optimizer.state[p] = {
+                key: scattered(optim_sd["state"][name][key] if leader else None, p, kind[1], kind[2])
+                if kind[0] == "tensor"
+                else kind[1]
+                for key, kind in entry.items()
+            }
+        for group, saved in zip(self.optimizer.param_groups, plan["groups"], strict=False):
+            group.update(saved)
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         if not self.world.distributed:
@@ -262,6 +407,14 @@ class InnerTrainer:
         out: list[Any] = [None] * self.world.world_size
         torch.distributed.all_gather_object(out, obj)
         return out
+
+
+def state_layout(train_cfg: Any) -> str:
+    """What a site's flat vector, and so its global state, holds: ``params``, schedule-free ``x``, or
+    ``x+z``. Part of the model's identity: sites that hold different things never average together."""
+    if not getattr(train_cfg, "schedule_free", False):
+        return "params"
+    return "x+z" if train_cfg.sf_z == "average" else f"x/{train_cfg.sf_z}"
 
 
 def _owned(obj: Any, live: set[int]) -> Any:
