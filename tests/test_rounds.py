@@ -725,3 +725,26 @@ def test_of_two_remembered_rounds_the_one_in_the_adopted_state_is_settled() -> N
     # only round 7's 0.5 was in their step: the 0.2 trained since stays on top of it
     torch.testing.assert_close(ranks.local, theirs - 0.2 - 0.2)
     assert handler_.sync.pending_rounds == []
+
+
+@pytest.mark.schedulefree
+def test_a_site_restarted_with_another_inner_optimizer_refuses_its_checkpoint_in_one_line(tmp_path) -> None:
+    """A checkpoint whose global state another optimizer wrote (AdamW's parameters against
+    schedule-free x, the same size) is refused before any rank loads it, naming the settings."""
+    from greenswarm.errors import GreenswarmError
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.site_checkpoints import SiteCheckpoints
+
+    base = ["name=me", "region=CAISO_NORTH", f"node.run_dir={tmp_path}"]
+    cfg = load_site_config(None, base)
+    stats = SiteStats(tokens_since_sync=5)
+    state, ranks, handler_, _, _ = _split_round(stats)
+    ranks = _SavingRanks(ranks.local)
+    SiteCheckpoints(cfg, FaultPlan(), ranks, state, handler_.sync, stats, _Ledger()).save()
+
+    other = load_site_config(None, [*base, "train.optimizer=adamw-schedulefree", "train.sf_z=shift"])
+    state2, ranks2 = global_state(0.0), _SavingRanks(torch.zeros(N))
+    sync2 = StateSync(state2, ranks2, lambda peers: None, threading.Event(), 0.3)
+    with pytest.raises(GreenswarmError, match=r"\(params\).*\(x/shift\).*train\.optimizer, train\.sf_z"):
+        SiteCheckpoints(other, FaultPlan(), ranks2, state2, sync2, SiteStats(), _Ledger()).resume()
+    assert ranks2.local.abs().sum() == 0  # nothing was loaded

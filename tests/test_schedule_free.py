@@ -289,3 +289,35 @@ def test_export_takes_x_from_a_global_state_of_x_and_z(tmp_path: Path) -> None:
     exported = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(exported, flat[: t.num_parameters])
     assert math.isfinite(float(exported.sum()))
+
+
+def test_the_benchmark_runs_a_cosine_and_a_schedule_free_swarm_over_the_trace() -> None:
+    """``benchmarks/schedule_free.py`` on a few rounds: both runs train the same tokens (the windows,
+    not the optimizer, decide them), a cosine's length is what each site will train, and the curve
+    starts at the untrained model."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "sf_bench", Path(__file__).parents[1] / "benchmarks" / "schedule_free.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(
+        preset="tiny",
+        steps=1,
+        round_minutes=240.0,
+        batch=2,
+        seq_len=32,
+        lr=1e-3,
+        eval_batches=1,
+        device="cpu",
+    )
+    cosine = bench.run("cosine-known", "diloco", 0, args)
+    free = bench.run("sf", "fedavg", 0, args)
+    assert cosine["tokens"] == free["tokens"] > 0
+    assert (
+        cosine["site_steps"] == free["site_steps"] and sum(cosine["site_steps"]) * 2 * 32 == cosine["tokens"]
+    )
+    assert cosine["curve"][0] == free["curve"][0]  # the same untrained model, the same held-out batches
+    assert all(math.isfinite(loss) for _, loss in cosine["curve"] + free["curve"])

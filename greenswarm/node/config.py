@@ -86,6 +86,15 @@ class TrainConfig:
     def schedule_free(self) -> bool:
         return self.optimizer == "adamw-schedulefree"
 
+    @property
+    def state_layout(self) -> str:
+        """What the site's flat vector, and so its global state, holds: ``params`` (AdamW), schedule-free
+        ``x+z`` (``sf_z: average``) or ``x/shift``, ``x/reset``. Part of the model's identity (sites that
+        hold different things never average together) and of every checkpoint."""
+        if not self.schedule_free:
+            return "params"
+        return "x+z" if self.sf_z == "average" else f"x/{self.sf_z}"
+
     def validate(self) -> None:
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:

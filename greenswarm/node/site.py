@@ -368,6 +368,13 @@ class SiteNode:
             self.log.info(
                 "held-out loss of the starting model (%s): %.4f", cfg.model.source, self.stats.eval_loss
             )
+        if cfg.train.schedule_free and cfg.averaging.outer == "diloco" and cfg.averaging.outer_momentum:
+            self.log.warning(
+                "train.optimizer: adamw-schedulefree under averaging.outer: diloco: the outer momentum "
+                "carries the optimizer's z, which takes the raw steps, far past its average x; "
+                "benchmarks/schedule_free.py measured it well behind averaging.outer: fedavg "
+                "(docs/schedule_free.md, 'Which outer step')"
+            )
         trainer = self.trainer  # what ``greenswarm export`` needs to turn checkpoints into a model directory
         describe_model(
             cfg.node.run_dir, trainer.model, trainer.names, trainer.shapes, cfg.model, trainer.identity

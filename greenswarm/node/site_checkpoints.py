@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from greenswarm.errors import GreenswarmError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.checkpoint_writer import BackgroundWriter, snapshot
@@ -61,6 +62,7 @@ class SiteCheckpoints:
         self.log = log or logging.getLogger(__name__)
         self.writer = BackgroundWriter(self.checkpointer) if background else None
         self.every_s = cfg.node.checkpoint_every_s
+        self.layout = cfg.train.state_layout
         self._last_save: float | None = None  # monotonic time of the last checkpoint written (None: none)
         self._unsaved = False  # an outer step's state was not written (the cadence skipped it)
         # claimed shards (data.sharding: claim; set once the site joined): a checkpoint on disk commits
@@ -73,6 +75,14 @@ class SiteCheckpoints:
         payload = self.checkpointer.load()
         if payload is None:
             return False
+        held, layout = int(payload["outer"][0].numel()), payload.get("layout", "params")
+        if held != self.state.numel or layout != self.layout:  # before any rank loads another state
+            raise GreenswarmError(
+                f"{self.checkpointer.path} holds a global state of {held:,} values ({layout}) and this "
+                f"site's is {self.state.numel:,} ({self.layout}): it was written with another model or "
+                "inner optimizer (train.optimizer, train.sf_z); set them back, or give this run another "
+                "node.run_dir"
+            )
         self.ranks.restore(payload["trainer"])
         self.state.adopt(payload["site"], payload["outer"])
         self.stats.load_state_dict(payload["site"])
@@ -175,6 +185,7 @@ class SiteCheckpoints:
             # remembered rounds: their tensors are never changed in place (a round is dropped or added)
             "sync": self.sync.state_dict(),
             **({"shards": self.shards.state_dict()} if self.shards is not None else {}),
+            "layout": self.layout,  # what the global state holds (train.optimizer, train.sf_z)
         }
 
     def _keep_global(self, outer_round: int, lineage: str, params: torch.Tensor) -> None:

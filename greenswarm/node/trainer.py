@@ -67,7 +67,7 @@ class InnerTrainer:
         self.shapes = [p.shape for p in self.model.parameters()]
         self.names = [name for name, _ in self.model.named_parameters()]  # the flat vector's order
         self.identity = model_identity(
-            self.model, self.tokenizer.fingerprint, model_cfg, state_layout(train_cfg)
+            self.model, self.tokenizer.fingerprint, model_cfg, _layout(train_cfg)
         )  # what every site must share
         if world.distributed:
             _shard_with_fsdp(self.model)
@@ -91,7 +91,7 @@ class InnerTrainer:
                 betas=(train_cfg.beta1, train_cfg.beta2),
                 weight_decay=train_cfg.weight_decay,
             )
-        self.layout = state_layout(train_cfg)
+        self.layout = _layout(train_cfg)
         per_rank = train_cfg.batch_size // world.world_size
         if per_rank < 1 or train_cfg.batch_size % world.world_size:
             raise ValueError(
@@ -409,12 +409,9 @@ class InnerTrainer:
         return out
 
 
-def state_layout(train_cfg: Any) -> str:
-    """What a site's flat vector, and so its global state, holds: ``params``, schedule-free ``x``, or
-    ``x+z``. Part of the model's identity: sites that hold different things never average together."""
-    if not getattr(train_cfg, "schedule_free", False):
-        return "params"
-    return "x+z" if train_cfg.sf_z == "average" else f"x/{train_cfg.sf_z}"
+def _layout(train_cfg: Any) -> str:
+    """``train_cfg.state_layout`` (see TrainConfig), or ``params`` for a bare config without one."""
+    return str(getattr(train_cfg, "state_layout", "params"))
 
 
 def _owned(obj: Any, live: set[int]) -> Any:
