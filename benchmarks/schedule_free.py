@@ -8,11 +8,13 @@ A site is in a window as the node's own rule says (``SchedulerConfig().window_po
 window takes ``--steps`` inner steps with the node's inner trainer (tiny or small model, same init, a
 shard of the corpus each: tinyshakespeare from ../shared, else the standard library's sources; the
 fourth shard is held out), then the sites in a window combine their pseudo-gradients token-weighted
-and take the DiLoCo outer step (Nesterov, lr 0.7, momentum 0.9) -- alone if a site is alone, as a
-node's solo round does. A site entering a window adopts the global state first, as a node's catch-up
-loads it (``InnerTrainer.load_full_parameters``: what ``train.sf_z`` says it moves); its optimizer's
-own moments and step count stay its own, as they do in a node. What this assumes, and a node does
-differently: rounds start at fixed instants, not when a group forms; a window that opens or closes
+and take the outer step (``--outers``: DiLoCo, Nesterov with lr 0.7 and momentum 0.9, the node's
+default; and FedAvg, the plain mean) -- alone if a site is alone, as a node's solo round does. A site
+entering a window adopts the global state first, as a node's catch-up loads it
+(``InnerTrainer.load_full_parameters``: what ``train.sf_z`` says it moves, and a schedule-free x's
+averaging weights, served by the sites that took the last round); its optimizer's own moments and step
+count stay its own, as they do in a node. What this assumes, and a node does differently: rounds start
+at fixed instants, not when a group forms; a window that opens or closes
 between two rounds counts from the next one; no round fails; no wire coding (fp32).
 
 Optimizers compared, every other setting equal (``--lr`` for all, warm-up 20 steps):
@@ -153,12 +155,16 @@ def run(name: str, outer_kind: str, seed: int, args: argparse.Namespace) -> dict
     curve, tokens, was_in = [(0, held_out_loss())], 0, [False] * SITES
     for row in plan:
         deltas = []
+        # the sites that took the last round hold the global state, and serve it with (schedule-free)
+        # the averaging weights of their x: a site entering its window adopts both, as a node's catch-up
+        holders = [trainers[j].averaging_weights() for j in range(SITES) if was_in[j]]
+        served = max((w for w in holders if w), key=lambda w: w["weight_sum"], default=None)
         for i, trainer in enumerate(trainers):
             if not row[i]:
                 was_in[i] = False
                 continue
             if not was_in[i]:
-                trainer.load_full_parameters(outer.params)  # entering a window: adopt the global state
+                trainer.load_full_parameters(outer.params, weights=served)  # entering a window: catch up
                 was_in[i] = True
             trained = sum(trainer.step().tokens for _ in range(args.steps))
             tokens += trained

@@ -3,8 +3,8 @@ or under torchrun, where FSDP2 shards the model and the optimizer's x, z and mom
 
 For each optimizer (schedule-free, and AdamW, whose sharded restore this also covers), in DIR/<optimizer>:
 ``train DIR``: train ``SAVE_AT`` steps, write a checkpoint (the node's Checkpointer, every rank's shards
-gathered to rank 0), train on and write the state's digest after each later step to digests.json;
-then die by SIGKILL in the middle of the run (every rank, nothing cleaned up).
+gathered to rank 0), evaluate twice, train on and write the state's digest after each later step to
+digests.json; then die by SIGKILL in the middle of the run (every rank, nothing cleaned up).
 ``resume DIR``: start a fresh trainer, load the checkpoint, write the digest it resumed with and the
 digests of the same later steps to resumed.json. A digest covers the gathered parameters (y), the
 flat vector a round gathers (x and z), every optimizer state tensor, the step count and the optimizer's
@@ -65,6 +65,14 @@ def run(mode: str, out: Path, optimizer: str, world: World) -> None:
         state = trainer.state_dict()
         if world.is_leader:
             checkpointer.save({"trainer": state})
+        # evaluating (at x) must change nothing the next steps see: under FSDP2 a forward without
+        # backward leaves the root's parameters gathered, and a stale copy would train the next step
+        # (the resumed run below does not evaluate, so its digests would differ)
+        held_out = [
+            torch.randint(0, 259, (2, 64), generator=torch.Generator().manual_seed(k)) for k in range(2)
+        ]
+        trainer.evaluate(held_out)
+        trainer.evaluate(held_out)
     else:
         trainer.load_state_dict(checkpointer.load()["trainer"] if world.is_leader else None)
     saved, later = digest(trainer), []

@@ -65,13 +65,15 @@ class FakeRanks:
         self.local = local.clone()
         self.loads: list[torch.Tensor] = []
         self.shifts: list[torch.Tensor] = []
+        self.weights: dict | None = None  # the averaging weights the last load took (schedule-free)
 
     def gather(self) -> torch.Tensor:
         return self.local.clone()
 
-    def load(self, flat: torch.Tensor) -> None:
+    def load(self, flat: torch.Tensor, weights: dict | None = None) -> None:
         self.local = flat.clone()
         self.loads.append(flat.clone())
+        self.weights = weights
 
     def shift(self, flat: torch.Tensor) -> None:
         self.local += flat
@@ -748,3 +750,19 @@ def test_a_site_restarted_with_another_inner_optimizer_refuses_its_checkpoint_in
     with pytest.raises(GreenswarmError, match=r"\(params\).*\(x/shift\).*train\.optimizer, train\.sf_z"):
         SiteCheckpoints(other, FaultPlan(), ranks2, state2, sync2, SiteStats(), _Ledger()).resume()
     assert ranks2.local.abs().sum() == 0  # nothing was loaded
+
+
+@pytest.mark.schedulefree
+def test_a_served_state_carries_its_averaging_weights_to_the_site_that_adopts_it() -> None:
+    """Schedule-free: the state a site serves names how much history its x averages, and a site that
+    adopts the state loads it with those weights (so its next step continues the average)."""
+    server = global_state(1.0)
+    server.averaging = lambda: {"weight_sum": 2.5e-5, "lr_max": 1e-3}
+    meta, tensors = server.served()
+    assert meta["averaging"] == {"weight_sum": 2.5e-5, "lr_max": 1e-3}
+    state, ranks = global_state(0.0), FakeRanks(torch.zeros(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 0.3)
+    assert sync.adopt(meta, tensors, keep_pending=False)
+    assert ranks.weights == meta["averaging"] and torch.equal(ranks.local, tensors[0])
+    server.averaging = lambda: None  # an AdamW site serves none
+    assert "averaging" not in server.served()[0]

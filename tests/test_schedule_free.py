@@ -159,10 +159,11 @@ def test_the_flat_vector_moves_x_and_z_as_sf_z_says(sf_z: str) -> None:
     assert torch.equal(t.full_parameters(), target)  # what was loaded is what a round gathers again
 
     shift = torch.full_like(target, 0.5)
+    shift[n:] = 0.25  # (average: z's half of the vector moves z)
     t.load_full_parameters(shift, add=True)
     x2 = torch.cat([x.reshape(-1) for x in t.schedule_free.sequences("x")])
     z2 = torch.cat([z.reshape(-1) for z in t.schedule_free.sequences("z")])
-    assert torch.equal(x2, x1 + 0.5) and torch.equal(z2, z1 + 0.5)
+    assert torch.equal(x2, x1 + 0.5) and torch.equal(z2, z1 + (0.25 if sf_z == "average" else 0.5))
     y = torch.cat([p.detach().reshape(-1) for p in t.model.parameters()])
     assert torch.equal(y, torch.lerp(z2, x2, 0.9))
 
@@ -198,8 +199,11 @@ def test_a_tied_head_is_stored_as_its_embeddings_x() -> None:
     state = t.state_dict()
     aliases = t._aliases()
     assert aliases, "the tiny model no longer ties its head: this test checks nothing"
+    x_of = dict(zip(t.names, t.schedule_free.sequences("x"), strict=True))
     for alias, owner in aliases.items():
-        assert torch.equal(state["model"][alias], state["model"][owner])
+        assert torch.equal(state["model"][alias], x_of[owner]) and torch.equal(
+            state["model"][owner], x_of[owner]
+        )
 
 
 def test_cosine_decays_from_warmup_to_the_floor_and_holds_there() -> None:
@@ -321,3 +325,31 @@ def test_the_benchmark_runs_a_cosine_and_a_schedule_free_swarm_over_the_trace() 
     )
     assert cosine["curve"][0] == free["curve"][0]  # the same untrained model, the same held-out batches
     assert all(math.isfinite(loss) for _, loss in cosine["curve"] + free["curve"])
+
+
+def test_a_site_adopting_a_swarm_state_continues_its_average_instead_of_restarting_it() -> None:
+    """A fresh site that adopts another's x and z with its averaging weights keeps x on its first step
+    (c is small: x averages the other's history); without them its c would be 1 and x would become its
+    own z at once. Weights that are not finite and non-negative are ignored."""
+    veteran = trainer()
+    for _ in range(20):
+        veteran.step()
+    state, weights = veteran.full_parameters(), veteran.averaging_weights()
+    n = veteran.num_parameters
+    gap = float((state[n:] - state[:n]).norm())
+    assert gap > 0
+
+    for given, kept in ((weights, True), (None, False)):
+        fresh = trainer()
+        fresh.load_full_parameters(state, weights=given)
+        fresh.step()
+        after = fresh.full_parameters()
+        moved = float((after[:n] - state[:n]).norm())
+        if kept:
+            assert moved < 0.2 * gap, (moved, gap)
+        else:
+            assert torch.equal(after[:n], after[n:])  # x replaced by the fresh site's z
+    optimizer = trainer().schedule_free
+    for bad in ({"weight_sum": float("nan"), "lr_max": 1e-3}, {"weight_sum": -1.0, "lr_max": 1e-3}, {"x": 1}):
+        optimizer.adopt_weights(bad)
+        assert optimizer.param_groups[0]["weight_sum"] == 0.0

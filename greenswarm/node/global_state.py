@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ class GlobalState:
         self._digest: str | None = None  # of the parameters as they are: apply and adopt forget it
         # (position, digest of parameters and momentum): what the site's record attests it serves there
         self._attested: tuple[tuple[int, str, int], str] | None = None
+        # schedule-free: how much history the site's x averages, served with the state (the trainer's
+        # ``averaging_weights``; None for AdamW), so that an adopting site continues the average
+        self.averaging: Callable[[], dict[str, float] | None] | None = None
 
     @property
     def params(self) -> torch.Tensor:
@@ -155,8 +158,10 @@ class GlobalState:
 
     def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What this site serves to a newcomer (called on hivemind's thread)."""
+        weights = self.averaging() if self.averaging is not None else None
         with self.lock:
-            return self.position() | {"site": self.site}, self._copies()
+            meta = self.position() | {"site": self.site} | ({"averaging": weights} if weights else {})
+            return meta, self._copies()
 
     def position(self) -> dict[str, Any]:
         """Outer step, lineage, round slot and kept ancestors, as checkpoints and served states carry them."""

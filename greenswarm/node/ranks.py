@@ -49,8 +49,9 @@ class SiteRanks:
     def gather(self) -> torch.Tensor:
         return self.run(Op.GATHER)
 
-    def load(self, flat: torch.Tensor) -> None:
-        self.run(Op.LOAD, flat)
+    def load(self, flat: torch.Tensor, weights: dict[str, float] | None = None) -> None:
+        """Load a flat vector (``weights``: a schedule-free state's averaging weights, adopted with it)."""
+        self.run(Op.LOAD, (flat, weights))
 
     def shift(self, flat: torch.Tensor) -> None:
         """Add ``flat`` to the parameters in place (an overlapped round's rebase: one pass, no gather)."""
@@ -106,7 +107,8 @@ class SiteRanks:
         if op is Op.GATHER:
             return trainer.full_parameters()
         if op is Op.LOAD:
-            return trainer.load_full_parameters(arg)
+            flat, weights = arg if arg is not None else (None, None)
+            return trainer.load_full_parameters(flat, weights=weights)
         if op is Op.SHIFT:
             return trainer.load_full_parameters(arg, add=True)
         if op is Op.SAVE:

@@ -28,6 +28,7 @@ communication.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -157,6 +158,30 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 _local(p).copy_(_local(self.state[p]["x"]))
+
+    def averaging_weights(self) -> dict[str, float]:
+        """How much history ``x`` averages: the sum of the average's weights and the largest learning
+        rate so far (what the next step's ``c`` is computed from)."""
+        group = self.param_groups[0]
+        return {"weight_sum": float(group["weight_sum"]), "lr_max": float(group["lr_max"])}
+
+    def adopt_weights(self, weights: dict[str, float] | None) -> None:
+        """Take the averaging weights of an ``x`` adopted from another site (a catch-up), when it
+        averages more history than this site's own: otherwise the next step's ``c`` -- 1 for a site
+        that never stepped -- would replace the adopted average by this site's own ``z``. Values that are
+        not finite and non-negative are ignored (they come over the network)."""
+        if not weights:
+            return
+        try:
+            weight_sum, lr_max = float(weights["weight_sum"]), float(weights["lr_max"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if not (math.isfinite(weight_sum) and math.isfinite(lr_max) and weight_sum >= 0 and lr_max >= 0):
+            return
+        for group in self.param_groups:
+            if weight_sum > group["weight_sum"]:
+                group["weight_sum"] = weight_sum
+                group["lr_max"] = max(group["lr_max"], lr_max)
 
     @torch.no_grad()
     def adopt_x_from_parameters(self) -> None:

@@ -339,6 +339,7 @@ class SiteNode:
             averaging.nesterov,
         )
         self.global_state = GlobalState(outer, cfg.name)
+        self.global_state.averaging = self.trainer.averaging_weights
         self.sync = StateSync(
             self.global_state,
             self.ranks,

@@ -282,5 +282,6 @@ class StateSync:
                 self.state.outer_round,
                 held.slot,
             )
-        self.ranks.load(self.state.params if pending is None else self.state.params - pending)
+        weights = meta.get("averaging")  # (schedule-free: the history its x averages)
+        self.ranks.load(self.state.params if pending is None else self.state.params - pending, weights)
         return True

@@ -189,6 +189,7 @@ class InnerTrainer:
             raise ValueError("evaluate needs at least one batch")
         was_training = self.model.training
         self.model.eval()
+        self._reshard()
         if self.schedule_free is not None:
             self.schedule_free.show_x()  # the model is x; y comes back bit for bit below
         try:
@@ -199,9 +200,23 @@ class InnerTrainer:
             loss = float(total) / len(batches)
         finally:
             self.model.train(was_training)
+            self._reshard()
             if self.schedule_free is not None:
                 self.schedule_free.sync_y()
         return float(self.world.broadcast(loss))
+
+    def _reshard(self) -> None:
+        """Free FSDP2's gathered copies of the parameters. A forward without backward (evaluation)
+        leaves the root's (embeddings, norm, head) gathered, and the next forward would reuse that copy
+        -- after a load, or schedule-free's y written back over x, stale values -- and while it is
+        gathered the root's parameters are not DTensors, so a load would miss their shards."""
+        if not self.world.distributed:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     # ---- the model as one flat vector ----
 
@@ -225,16 +240,27 @@ class InnerTrainer:
         tensors = [self._full(t.detach()).to("cpu", torch.float32) for ts in self._vectors() for t in ts]
         return flatten(tensors) if self.world.is_leader else None
 
+    def averaging_weights(self) -> dict[str, float] | None:
+        """Schedule-free: how much history ``x`` averages (served with the global state, so that a site
+        adopting it continues the average instead of restarting it); None for AdamW."""
+        return self.schedule_free.averaging_weights() if self.schedule_free is not None else None
+
     @torch.no_grad()
-    def load_full_parameters(self, flat: torch.Tensor | None, add: bool = False) -> None:
+    def load_full_parameters(
+        self, flat: torch.Tensor | None, add: bool = False, weights: dict[str, float] | None = None
+    ) -> None:
         """Set the model from rank 0's flat vector (ignored elsewhere), or ``add`` it to it; a
         collective. Schedule-free: the vector sets ``x``; ``z`` is set from it too (``sf_z:
         average``), moved by as much as ``x`` moved (``shift``) or set to ``x`` (``reset``); adding
-        moves both alike; and the parameters become ``y`` of the two."""
+        moves both alike; the parameters become ``y`` of the two; and ``weights`` (rank 0's: another
+        site's :meth:`averaging_weights`, with a state adopted from it) are taken when they average
+        more history than this site's."""
+        self._reshard()  # (no gathered copy may hold the old values, see _reshard)
         if self.schedule_free is None:
             for target, value in self._scatter(flat, list(self.model.parameters()), 0):
                 target.add_(value) if add else target.copy_(value)
             return
+        self.schedule_free.adopt_weights(self.world.broadcast(weights) if not add else None)
         xs, zs = self.schedule_free.sequences("x"), self.schedule_free.sequences("z")
         numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
         second = numel if self.layout == "x+z" else 0  # where z's values start ("average"), or x's again
