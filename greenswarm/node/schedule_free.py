@@ -37,7 +37,7 @@ import torch
 Z_MODES = ("average", "shift", "reset")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself (elementwise updates need no collective)."""
     from torch.distributed.tensor import DTensor
 
@@ -119,12 +119,12 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
                     continue
                 self._init_state(p, group)
                 state = self.state[p]
-                grad, y = _local(p.grad), _local(p)
-                x, z, v = _local(state["x"]), _local(state["z"]), _local(state["exp_avg_sq"])
+                grad, y = local_part(p.grad), local_part(p)
+                x, z, v = local_part(state["x"]), local_part(state["z"]), local_part(state["exp_avg_sq"])
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = v.div(bias2).sqrt_().add_(group["eps"])
                 if momentum:
-                    m = _local(state["exp_avg"])
+                    m = local_part(state["exp_avg"])
                     m.mul_(momentum).add_(grad, alpha=1 - momentum)
                     direction = m.div(bias1).div_(denom)
                 else:
@@ -150,14 +150,14 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
-                torch.lerp(_local(state["z"]), _local(state["x"]), group["beta"], out=_local(p))
+                torch.lerp(local_part(state["z"]), local_part(state["x"]), group["beta"], out=local_part(p))
 
     @torch.no_grad()
     def show_x(self) -> None:
         """Put ``x`` in the parameters (to evaluate the model); :meth:`sync_y` puts ``y`` back exactly."""
         for group in self.param_groups:
             for p in group["params"]:
-                _local(p).copy_(_local(self.state[p]["x"]))
+                local_part(p).copy_(local_part(self.state[p]["x"]))
 
     def averaging_weights(self) -> dict[str, float]:
         """How much history ``x`` averages: the sum of the average's weights and the largest learning
@@ -193,7 +193,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
                 if "x" not in state:
                     state["x"] = p.detach().clone()
                 else:
-                    _local(state["x"]).copy_(_local(p))
+                    local_part(state["x"]).copy_(local_part(p))
                 if "z" not in state:  # a checkpoint written before the first step holds no z
                     state["z"] = p.detach().clone()
                     state["exp_avg_sq"] = torch.zeros_like(p)

@@ -12,18 +12,19 @@ the gradient point ``y``, which the optimizer computes from the two.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from greenswarm.averaging.outer import flatten
+from greenswarm.errors import GreenswarmError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.data import DataConfig, TokenBatches, sub_shard
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig, build_model, causal_lm_loss, count_parameters, model_identity
-from greenswarm.node.schedule_free import ScheduleFreeAdamW
+from greenswarm.node.schedule_free import ScheduleFreeAdamW, local_part
 from greenswarm.node.shard_reader import ClaimedBatches, apply_plan
 from greenswarm.node.tokenizer import load_tokenizer
 
@@ -262,17 +263,21 @@ class InnerTrainer:
             return
         self.schedule_free.adopt_weights(self.world.broadcast(weights) if not add else None)
         xs, zs = self.schedule_free.sequences("x"), self.schedule_free.sequences("z")
-        numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
-        second = numel if self.layout == "x+z" else 0  # where z's values start ("average"), or x's again
-        for (x, value), (z, z_value) in zip(
-            self._scatter(flat, xs, 0), self._scatter(flat, zs, second), strict=True
-        ):
+        if self.layout == "x+z":  # z's values follow x's in the vector
+            numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
+            z_values: Iterator[tuple[torch.Tensor, torch.Tensor | None]] = self._scatter(flat, zs, numel)
+        else:  # one vector: z moves with x's values (scattered once)
+            z_values = ((local_part(z), None) for z in zs)
+        for (x, value), (z, z_value) in zip(self._scatter(flat, xs, 0), z_values, strict=True):
             if add:
                 x.add_(value)
-                z.add_(z_value)
-            elif self.layout == "x+z" or self.cfg.sf_z == "reset":
+                z.add_(value if z_value is None else z_value)
+            elif z_value is not None:  # average
                 x.copy_(value)
                 z.copy_(z_value)
+            elif self.cfg.sf_z == "reset":
+                x.copy_(value)
+                z.copy_(value)
             else:  # shift: z keeps its lead over x
                 z.sub_(x).add_(value)
                 x.copy_(value)
@@ -280,23 +285,22 @@ class InnerTrainer:
 
     def _scatter(
         self, flat: torch.Tensor | None, targets: list[torch.Tensor], offset: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(local tensor, its values) for each of ``targets`` (one per parameter, each shaped like it)
-        from rank 0's ``flat`` starting at ``offset``: each rank's shard of a sharded one."""
+        from rank 0's ``flat`` starting at ``offset``: each rank's shard of a sharded one. One parameter
+        at a time (a collective each under FSDP), so no more than one full tensor is held at once."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        pairs = []
         for t, shape in zip(targets, self.shapes, strict=True):
             n = int(torch.Size(shape).numel())
             if isinstance(t, DTensor):
                 full = flat[offset : offset + n].view(shape) if self.world.is_leader else torch.empty(shape)
                 full = full.to(t.device_mesh.device_type, t.dtype)
                 shard = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=0)
-                pairs.append((t.to_local(), shard.to_local().to(t.to_local().device)))
+                yield t.to_local(), shard.to_local().to(t.to_local().device)
             else:
-                pairs.append((t, flat[offset : offset + n].view(shape).to(t.device, t.dtype)))
+                yield t, flat[offset : offset + n].view(shape).to(t.device, t.dtype)
             offset += n
-        return pairs
 
     # ---- checkpoints ----
 
@@ -363,6 +367,10 @@ class InnerTrainer:
                 optim_state_dict=state.get("optimizer", {}),
                 options=StateDictOptions(full_state_dict=True),
             )
+        for group in self.optimizer.param_groups:  # this start's settings, not the checkpoint's: a
+            for key in _SETTINGS:  # restart is how an operator changes them
+                if key in self.optimizer.defaults:
+                    group[key] = self.optimizer.defaults[key]
         if self.schedule_free is not None:
             self.schedule_free.adopt_x_from_parameters()  # the model loaded x: make it the state's
         positions = self.world.broadcast(state.get("data"))
@@ -391,16 +399,23 @@ class InnerTrainer:
                 for key, v in entry.items()
             }
 
+        params = dict(self.model.named_parameters())  # (a tied head once, under its owner's name)
         plan = self.world.broadcast(
             {
                 "state": {name: kinds(entry) for name, entry in optim_sd.get("state", {}).items()},
                 "groups": [
                     {k: v for k, v in g.items() if k != "params"} for g in optim_sd.get("param_groups", [])
                 ],
+                "missing": [name for name in params if name not in model_sd],
             }
             if leader
             else None
         )
+        if plan["missing"] or len(plan["groups"]) != len(self.optimizer.param_groups):
+            raise GreenswarmError(  # (on every rank: none of them loads a half)
+                "the checkpoint's trainer state lacks "
+                f"{', '.join(plan['missing'][:3]) or 'parameter groups'}: it was written for another model"
+            )
 
         def scattered(
             full: torch.Tensor | None, like: torch.Tensor, shape: tuple, dtype: torch.dtype
@@ -411,11 +426,12 @@ class InnerTrainer:
             full = full.to(like.device_mesh.device_type, dtype)
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
 
-        params = dict(self.model.named_parameters())  # (a tied head once, under its owner's name)
         for name, p in params.items():
             value = scattered(model_sd.get(name), p, tuple(p.shape), p.dtype)
             target = p.to_local() if isinstance(p, DTensor) else p
             target.copy_(value.to_local() if isinstance(value, DTensor) else value)
+        for p in params.values():  # a parameter the checkpoint holds no state for starts fresh, as in
+            self.optimizer.state[p] = {}  # one process (load_state_dict replaces all of it)
         for name, entry in plan["state"].items():
             p = params[name]
             self.optimizer.state[p] = {
@@ -424,7 +440,7 @@ class InnerTrainer:
                 else kind[1]
                 for key, kind in entry.items()
             }
-        for group, saved in zip(self.optimizer.param_groups, plan["groups"], strict=False):
+        for group, saved in zip(self.optimizer.param_groups, plan["groups"], strict=True):
             group.update(saved)
 
     def _gather_objects(self, obj: Any) -> list[Any]:
@@ -433,6 +449,11 @@ class InnerTrainer:
         out: list[Any] = [None] * self.world.world_size
         torch.distributed.all_gather_object(out, obj)
         return out
+
+
+#: optimizer settings a restart takes from its config (the step count and the average's weights are the
+#: checkpoint's)
+_SETTINGS = ("lr", "betas", "beta", "beta2", "eps", "weight_decay", "warmup_steps", "momentum")
 
 
 def _layout(train_cfg: Any) -> str:
