@@ -26,7 +26,8 @@ Optimizers compared, every other setting equal (``--lr`` for all, warm-up 20 ste
 * ``constant`` -- AdamW at lr after warm-up (today's default);
 * ``sf`` -- Schedule-Free AdamW, the swarm averaging x and z (``sf_z: average``);
   ``sf-shift`` -- averaging x only, z moved by x's outer step; ``sf-reset`` -- x only, z set to x;
-  ``sf-momentum`` -- ``sf`` with ScheduleFree+'s inner momentum (0.9).
+  ``sf-momentum`` -- ``sf`` with ScheduleFree+'s inner momentum (0.9); ``sf-keep`` -- ``sf`` where a
+  site entering its window keeps averaging into the adopted x (``sf_keep_average``).
 
 The schedule of windows, and so the tokens, is the same for every optimizer: losses compare at equal
 tokens. In-process and sequential per run (runs in ``--jobs`` processes), deterministic for a seed.
@@ -62,6 +63,7 @@ OPTIMIZERS: dict[str, dict] = {
     "sf-shift": {"optimizer": "adamw-schedulefree", "sf_z": "shift"},
     "sf-reset": {"optimizer": "adamw-schedulefree", "sf_z": "reset"},
     "sf-momentum": {"optimizer": "adamw-schedulefree", "sf_z": "average", "sf_momentum": 0.9},
+    "sf-keep": {"optimizer": "adamw-schedulefree", "sf_z": "average", "sf_keep_average": True},
 }
 #: the outer step: DiLoCo (Nesterov, lr 0.7, momentum 0.9; the node's default) or FedAvg (the plain mean)
 OUTERS = ("diloco", "fedavg")

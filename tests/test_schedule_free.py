@@ -328,9 +328,10 @@ def test_the_benchmark_runs_a_cosine_and_a_schedule_free_swarm_over_the_trace() 
 
 
 def test_a_site_adopting_a_swarm_state_continues_its_average_instead_of_restarting_it() -> None:
-    """A fresh site that adopts another's x and z with its averaging weights keeps x on its first step
-    (c is small: x averages the other's history); without them its c would be 1 and x would become its
-    own z at once. Weights that are not finite and non-negative are ignored."""
+    """``train.sf_keep_average``: a fresh site that adopts another's x and z with its averaging weights
+    keeps x on its first step (c is small: x averages the other's history); without them (or without
+    the setting, the default) its c is 1 and x becomes its own z at once. Weights that are not finite
+    and non-negative are ignored."""
     veteran = trainer()
     for _ in range(20):
         veteran.step()
@@ -339,8 +340,8 @@ def test_a_site_adopting_a_swarm_state_continues_its_average_instead_of_restarti
     gap = float((state[n:] - state[:n]).norm())
     assert gap > 0
 
-    for given, kept in ((weights, True), (None, False)):
-        fresh = trainer()
+    for given, keep, kept in ((weights, True, True), (None, True, False), (weights, False, False)):
+        fresh = trainer(sf_keep_average=keep)
         fresh.load_full_parameters(state, weights=given)
         fresh.step()
         after = fresh.full_parameters()

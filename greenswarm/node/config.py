@@ -58,7 +58,10 @@ class TrainConfig:
     never knows it; docs/schedule_free.md): ``sf_beta`` interpolates where gradients are taken,
     ``sf_momentum`` is ScheduleFree+'s inner momentum (0: off), and ``sf_z`` says how the swarm moves
     the optimizer's ``z`` with the model -- ``average`` it too (twice the bytes per round), ``shift`` it
-    by the same outer step, or ``reset`` it to the model. Every site of a swarm must configure
+    by the same outer step, or ``reset`` it to the model. ``sf_keep_average``: a site that adopts the
+    swarm's state (entering a window behind it) takes the averaging weights served with it and keeps
+    averaging into the adopted x; off (the default, measured better in benchmarks/schedule_free.py), its
+    own weights restart the average when it has taken fewer steps. Every site of a swarm must configure
     ``optimizer`` and ``sf_z`` alike (they decide what a round averages; a differing site never meets
     the others' groups).
     """
@@ -81,6 +84,7 @@ class TrainConfig:
     sf_beta: float = 0.9
     sf_momentum: float = 0.0
     sf_z: ZMode = "average"
+    sf_keep_average: bool = False
 
     @property
     def schedule_free(self) -> bool:

@@ -253,15 +253,16 @@ class InnerTrainer:
         """Set the model from rank 0's flat vector (ignored elsewhere), or ``add`` it to it; a
         collective. Schedule-free: the vector sets ``x``; ``z`` is set from it too (``sf_z:
         average``), moved by as much as ``x`` moved (``shift``) or set to ``x`` (``reset``); adding
-        moves both alike; the parameters become ``y`` of the two; and ``weights`` (rank 0's: another
-        site's :meth:`averaging_weights`, with a state adopted from it) are taken when they average
-        more history than this site's."""
+        moves both alike; the parameters become ``y`` of the two; and with ``train.sf_keep_average``,
+        ``weights`` (rank 0's: another site's :meth:`averaging_weights`, with a state adopted from it)
+        are taken when they average more history than this site's."""
         self._reshard()  # (no gathered copy may hold the old values, see _reshard)
         if self.schedule_free is None:
             for target, value in self._scatter(flat, list(self.model.parameters()), 0):
                 target.add_(value) if add else target.copy_(value)
             return
-        self.schedule_free.adopt_weights(self.world.broadcast(weights) if not add else None)
+        if self.cfg.sf_keep_average and not add:
+            self.schedule_free.adopt_weights(self.world.broadcast(weights))
         xs, zs = self.schedule_free.sequences("x"), self.schedule_free.sequences("z")
         if self.layout == "x+z":  # z's values follow x's in the vector
             numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
