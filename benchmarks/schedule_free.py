@@ -332,9 +332,9 @@ def main() -> None:
         )
         plot(results, args.optimizers, args.outers, args.png, title)
     if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=1))
+        args.json_out.write_text(json.dumps(report, indent=1, default=str))
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1, default=str))
         return
     print(f"\n{'outer':<7} {'optimizer':<16} {'held-out (median)':>17} {'min .. max':>17} "
           f"{'vs cosine-known':>15} {'at 1/4':>7} {'at 1/2':>7}")  # fmt: skip
@@ -344,7 +344,7 @@ def main() -> None:
             f"{row['outer']:<7} {row['optimizer']:<16} {row['median']:>17.4f} {row['min']:>8.4f} .. "
             f"{row['max']:<6.4f} {ratio:>15} {row['at_quarter']:>7.4f} {row['at_half']:>7.4f}"
         )
-    print(f"\n{len(results)} runs in {report['seconds']:.0f} s")
+    print(f"\n{len(results)} runs " + ("read" if args.from_json else f"in {report['seconds']:.0f} s"))
 
 
 if __name__ == "__main__":
