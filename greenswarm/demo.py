@@ -25,7 +25,7 @@ import yaml
 
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
 from greenswarm.errors import GreenswarmError
-from greenswarm.procs import reap_children
+from greenswarm.procs import raise_if_terminated, reap_children
 
 SWARM = "greenswarm-demo"
 #: the longest the sites may take to start (imports, model, DHT); the replay begins as soon as all
@@ -196,6 +196,7 @@ def _wait_and_start(children: _Children, workdir: Path, start_file: Path, shown:
     sites = [name for name in children.procs if name != "bootstrap"]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
+        raise_if_terminated()
         waiting = []
         for name in sites:
             log = workdir / "logs" / f"{name}.log"

@@ -15,6 +15,7 @@ from rich.text import Text
 from greenswarm.console import wide_console
 from greenswarm.node.progress import ProgressRecord, fetch_records, open_reader
 from greenswarm.node.progress_view import progress_table
+from greenswarm.procs import raise_if_terminated
 from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
 from greenswarm.timefmt import utc_minute
 
@@ -67,10 +68,12 @@ def watch_demo(
             with Live(render(), console=console, refresh_per_second=2) as view:
                 while any(p.poll() is None for p in sites) and time.time() < deadline:
                     time.sleep(0.5)
+                    raise_if_terminated()
                     view.update(render())
         else:
             while any(p.poll() is None for p in sites) and time.time() < deadline:
                 time.sleep(1.0)
+                raise_if_terminated()  # (a SIGTERM whose raise a library swallowed still stops the demo)
                 group = render()
                 if time.monotonic() - last_print >= 10:
                     last_print = time.monotonic()

@@ -125,6 +125,18 @@ class Terminated(KeyboardInterrupt):
     """
 
 
+#: set by :func:`interrupt_on_termination`'s handler before it raises: a loop that must end on a stop
+#: checks it too (:func:`raise_if_terminated`), because a raise can land where a library swallows it
+#: (a ``try/except BaseException``), after which SIGTERM is ignored for the cleanup's sake
+_terminated = threading.Event()
+
+
+def raise_if_terminated() -> None:
+    """Raise :class:`Terminated` if SIGTERM or SIGHUP arrived, even if its first raise was lost."""
+    if _terminated.is_set():
+        raise Terminated("SIGTERM")
+
+
 def interrupt_on_termination() -> None:
     """Make SIGTERM and SIGHUP interrupt like Ctrl-C (raising :class:`Terminated`), so a command's
     ``finally`` blocks run (stopping its DHT, its children and their p2pd daemons) instead of the
@@ -138,6 +150,7 @@ def interrupt_on_termination() -> None:
             return
         for sig in (signal.SIGTERM, signal.SIGHUP):  # cleanup must not be cut short by a repeat
             signal.signal(sig, signal.SIG_IGN)
+        _terminated.set()
         raise Terminated(signal.Signals(signum).name)
 
     for sig in _stop_signals():

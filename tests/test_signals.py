@@ -66,3 +66,50 @@ def test_a_stop_signal_inside_exec_exits_130_not_sigint(tmp_path: Path, sig: sig
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, (proc.returncode, output)
+
+
+SWALLOWING = """\
+import signal
+import sys
+import time
+
+from greenswarm.procs import Terminated, interrupt_on_termination, raise_if_terminated
+
+
+def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    interrupt_on_termination()
+    print("ready", flush=True)
+    try:
+        while True:
+            try:  # a library call that swallows whatever is raised inside it
+                time.sleep(0.05)
+            except BaseException:
+                pass
+            raise_if_terminated()  # the demo's loops check this
+    except Terminated:
+        return 130
+
+
+sys.exit(main())
+"""
+
+
+def test_a_stop_whose_interrupt_a_library_swallowed_still_stops_the_loop(tmp_path: Path) -> None:
+    """``test_shutdown`` once saw ``greenswarm demo`` go on replaying for 85 s after its SIGTERM and
+    never stop its sites: the handler had run (SIGTERM is ignored after it, for the cleanup's sake) but
+    its raise was lost. The handler also sets a flag that the demo's loops check."""
+    (tmp_path / "swallowing_command.py").write_text(SWALLOWING)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swallowing_command"], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
