@@ -343,14 +343,13 @@ class InnerTrainer:
 
     def _live_tensors(self) -> list[torch.Tensor]:
         """Every tensor a training step changes in place: parameters, buffers, optimizer state."""
-        from torch.distributed.tensor import DTensor
 
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in self.model.parameters()]
+        tensors = [local_part(t) for t in self.model.parameters()]
         tensors += list(self.model.buffers())
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    tensors.append(value.to_local() if isinstance(value, DTensor) else value)
+                    tensors.append(local_part(value))
         return tensors
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -429,8 +428,7 @@ class InnerTrainer:
 
         for name, p in params.items():
             value = scattered(model_sd.get(name), p, tuple(p.shape), p.dtype)
-            target = p.to_local() if isinstance(p, DTensor) else p
-            target.copy_(value.to_local() if isinstance(value, DTensor) else value)
+            local_part(p).copy_(local_part(value))
         for p in params.values():  # a parameter the checkpoint holds no state for starts fresh, as in
             self.optimizer.state[p] = {}  # one process (load_state_dict replaces all of it)
         for name, entry in plan["state"].items():
