@@ -215,6 +215,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--sync-minutes", type=float, default=30.0, help="trace minutes between averaging rounds (default 30)"
     )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="the model's initialisation and the data's order (default 0)"
+    )
+    demo.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of every site's config, e.g. --set averaging.outer=fedavg (repeatable)",
+    )
     demo.add_argument("--workdir", metavar="DIR", help="keep configs, logs and checkpoints here")
     demo.add_argument("--json", action="store_true", help="print the final report as JSON")
     demo.add_argument("--no-live", action="store_true", help="no live table (plain log lines)")
@@ -328,8 +339,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser(
         "export",
         help="write a site's global model as a Hugging Face model directory",
-        description="Write the global model of a site's newest verified checkpoint (or, with --best, the "
-        "model its best kept checkpoint by held-out loss was measured on) as a Hugging Face model "
+        description="Write the global model of a site's newest verified checkpoint (or, with --best, of "
+        "its best kept checkpoint by the global model's held-out loss) as a Hugging Face model "
         "directory: safetensors weights, config.json and the tokenizer where the site used one, loadable "
         "with AutoModelForCausalLM.from_pretrained(OUT). Works for a site of any number of ranks (FSDP).",
         epilog="example:\n  greenswarm export --run-dir runs/site-a --out models/site-a\n"
@@ -633,6 +644,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 minutes=args.minutes,
                 hours=args.hours,
                 sync_minutes=args.sync_minutes,
+                seed=args.seed,
+                overrides=args.overrides,
                 workdir=args.workdir,
                 as_json=args.json,
                 live=not args.no_live,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ SWARM = "greenswarm-demo"
 #: the longest the sites may take to start (imports, model, DHT); the replay begins as soon as all
 #: of them are ready, however long that took on this machine
 STARTUP_TIMEOUT_S = 300.0
+EVAL_BATCHES = 8  # held-out batches of 8 x 128 tokens each site scores the global model on
 START_LEAD_S = 1.0  # wall seconds between the start file and the replay's start: every site sees it
 
 
@@ -42,6 +43,8 @@ class DemoOptions:
     minutes: float = 2.5
     hours: float | None = None
     sync_minutes: float = 30.0
+    seed: int = 0  # the model's initialisation and the data's order (model.seed, data.seed)
+    overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE, for every site
     workdir: str | None = None
     as_json: bool = False
     live: bool = True
@@ -71,6 +74,8 @@ def plan_sites(opts: DemoOptions) -> tuple[Any, list[str], float, float]:
     hours = min(opts.hours or span_h, span_h)
     if opts.minutes <= 0 or hours <= 0:
         raise GreenswarmError("--minutes and --hours must be > 0")
+    if opts.seed < 0:
+        raise GreenswarmError(f"--seed must be >= 0, got {opts.seed}")
     speedup = hours * 3600 / (opts.minutes * 60)
     return trace, regions, hours, speedup
 
@@ -91,18 +96,22 @@ def _site_config(
         "name": name,
         "region": region,
         "swarm": {"name": SWARM, "initial_peers": peers, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
-        "model": {"preset": "tiny"},
+        "model": {"preset": "tiny", "seed": opts.seed},
         # the standard library's sources, cut into 16 shards that the sites claim through the swarm
         # (the last held out): `greenswarm progress --shards` shows who reads which
         "data": {
             "source": "stdlib",
             "seq_len": 128,
+            "seed": opts.seed,
             "sharding": "claim",
             "num_shards": 16,
             "lease_s": 10.0,
             "claim_settle_s": 0.5,
         },
         "train": {"batch_size": 8, "micro_batch_size": 8, "threads": 1, "lr": 1e-3, "warmup_steps": 20},
+        # the global model's held-out loss (on the held-out shard, 8 x 8 x 128 tokens) after every outer
+        # step, beside training, and at the end: what the closing table and report.json show
+        "eval": {"batches": EVAL_BATCHES, "batch_size": 8},
         "scheduler": {
             "trace": trace_spec,
             "threshold": opts.threshold,
@@ -235,8 +244,13 @@ def run_demo(opts: DemoOptions) -> int:
             cfg = _site_config(opts, trace_spec, region, peers, speedup, start_file, workdir)
             path = workdir / f"{cfg['name']}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            sets = [arg for override in opts.overrides for arg in ("--set", override)]
+            if sets:  # a wrong --set is one line naming it, before any site starts
+                from greenswarm.node.config import load_site_config
+
+                load_site_config(path, opts.overrides)
             children.start(
-                cfg["name"], ["node", "--config", str(path)], workdir / "logs" / f"{cfg['name']}.log"
+                cfg["name"], ["node", "--config", str(path), *sets], workdir / "logs" / f"{cfg['name']}.log"
             )
         start_wall = _start_replay(children, workdir, start_file, opts.live)
         end_wall = start_wall + hours * 3600 / speedup
@@ -334,6 +348,8 @@ def build_report(
     return {
         "trace": trace.source,
         "regions": regions,
+        "seed": opts.seed,
+        "overrides": list(opts.overrides),
         "threshold": opts.threshold,
         "hours": hours,
         "speedup": round(speedup, 1),
@@ -342,4 +358,36 @@ def build_report(
         "baseline_continuous_g": baselines,
         "baseline_equal_work_g": equal_work,
         "emissions_vs_baseline": {r: totals["emissions_g"] / b if b else None for r, b in baselines.items()},
+        "quality": swarm_quality(sites, totals),
+    }
+
+
+def swarm_quality(sites: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any] | None:
+    """What the swarm got: the held-out loss of the newest global model a site ended with (the outer
+    step most sites hold, on a tie), which sites hold it and whether they measured the same loss, and
+    the tokens it took. None when no site measured one (``eval.batches: 0``)."""
+    measured = [s for s in sites if s.get("eval_loss") is not None and s.get("eval_digest")]
+    if not measured:
+        return None
+
+    def holders(digest: str) -> list[dict[str, Any]]:
+        return [s for s in measured if s["eval_digest"] == digest]
+
+    best = max(measured, key=lambda s: (s["eval_round"], len(holders(s["eval_digest"]))))
+    held = holders(best["eval_digest"])
+    loss = best["eval_loss"]
+    return {
+        "eval_loss": loss,
+        "perplexity": best.get("eval_perplexity"),
+        "outer_round": best["eval_round"],
+        "digest": best["eval_digest"],
+        "sites": [s["site"] for s in held],
+        # the same global model measured at each of them gives the same bits (global_eval.py)
+        "identical": len({s["eval_loss"] for s in held}) == 1,
+        "held_out_tokens": best.get("eval_tokens"),
+        # every token the sites trained; the part still in a site's local progress at the end (trained
+        # since its last outer step, in no global model) is named beside it
+        "tokens": totals["tokens"],
+        "tokens_not_averaged": sum(s.get("tokens_since_sync") or 0 for s in sites),
+        "emissions_g": totals["emissions_g"],
     }

@@ -83,6 +83,34 @@ def watch_demo(
         dht.shutdown()
 
 
+def _held_out(loss: float | None, outer_round: int | None) -> str:
+    if loss is None:
+        return "-"
+    return f"{loss:.3f}" + (f" @{outer_round}" if outer_round is not None else "")
+
+
+def _perplexity(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def quality_line(quality: dict[str, Any] | None) -> str:
+    """What the swarm got, in one sentence: the global model's held-out loss and perplexity, who holds
+    it, what it was measured on and the tokens and emissions it took."""
+    if quality is None:
+        return "the global model was not evaluated (eval.batches: 0)"
+    held = ", ".join(quality["sites"])
+    same = "the same loss at each" if quality["identical"] else "[red]different losses[/]"
+    pending = quality["tokens_not_averaged"]
+    rest = f" ({pending:,} of them trained after the sites' last outer steps)" if pending else ""
+    return (
+        f"the swarm's model (outer step {quality['outer_round']}, digest {quality['digest']}, "
+        f"held by {held}: {same}): held-out loss {quality['eval_loss']:.4f}, "
+        f"perplexity {quality['perplexity']:,.2f} on "
+        f"{quality['held_out_tokens'] or 0:,} held-out tokens; it took {quality['tokens']:,} training "
+        f"tokens{rest} and {quality['emissions_g']:,.0f} g CO2"
+    )
+
+
 def print_report(report: dict[str, Any]) -> None:
     console = wide_console()
     table = Table(
@@ -102,8 +130,11 @@ def print_report(report: dict[str, Any]) -> None:
         "loss",
         "energy kWh",
         "CO2 g",
+        "held-out",
+        "ppl",
     ):
         table.add_column(col, justify="left" if col in ("site", "region") else "right")
+    quality = report.get("quality")
     for s in report["sites"]:
         table.add_row(
             s["site"],
@@ -117,6 +148,8 @@ def print_report(report: dict[str, Any]) -> None:
             "-" if s["loss"] is None else f"{s['loss']:.3f}",
             f"{s['energy_kwh']:.2f}",
             f"{s['emissions_g']:,.0f}",
+            _held_out(s.get("eval_loss"), s.get("eval_round")),
+            _perplexity(s.get("eval_perplexity")),
         )
     t = report["total"]
     table.add_row(
@@ -131,9 +164,12 @@ def print_report(report: dict[str, Any]) -> None:
         "",
         f"{t['energy_kwh']:.2f}",
         f"{t['emissions_g']:,.0f}",
+        _held_out(quality["eval_loss"], quality["outer_round"]) if quality else "-",
+        _perplexity(quality["perplexity"]) if quality else "-",
         style="bold",
     )
     console.print(table)
+    console.print(quality_line(quality), highlight=False)
     lines = []
     for site in report["sites"]:
         by_state = site.get("emissions_g_by_state") or {}

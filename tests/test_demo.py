@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from tests._shared import shared_available, shared_path
 from tests.conftest import LEARNED_LOSS, loss_fell
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.quality]
 
 
 def _start_demo(workdir: Path, *args: str) -> subprocess.Popen:
@@ -60,11 +61,33 @@ def _check(report: dict, regions: list[str]) -> None:
         # step it overshoots its window by)
         assert trained <= 1.01 * report["baseline_equal_work_g"][site["site"]], site
         assert site["emissions_g"] == pytest.approx(sum(by_state.values()))
+    _check_quality(report)
     # the run report beside it (greenswarm report): every section drawn from what the sites wrote
     page = Path(report["report_html"]).read_text()
     for section in ("loss", "states", "rounds", "emissions", "totals"):
         assert f'<section id="{section}">' in page, section
     assert 'class="missing"' not in page
+
+
+def _check_quality(report: dict) -> None:
+    """The global model's held-out loss: every site measured the global model it ended with, sites that
+    held one digest measured one loss (bit for bit, across processes), and the report names the swarm's."""
+    workdir = Path(report["workdir"])
+    by_digest: dict[str, dict[str, float]] = {}  # digest -> site -> the loss it measured
+    for site in report["sites"]:
+        assert (site["eval_round"], site["eval_digest"]) == (site["outer_round"], site["digest"]), site
+        assert math.isfinite(site["eval_loss"]) and site["eval_tokens"] == 8 * 8 * 128, site
+        for line in (workdir / site["site"] / "evals.jsonl").read_text().splitlines():
+            measured = json.loads(line)
+            by_digest.setdefault(measured["digest"], {})[site["site"]] = measured["loss"]
+    shared = {digest: losses for digest, losses in by_digest.items() if len(losses) >= 2}
+    assert shared, f"no global model was held (and measured) by two sites: {by_digest}"
+    assert all(len(set(losses.values())) == 1 for losses in shared.values()), shared
+    quality = report["quality"]
+    assert quality["identical"] and quality["tokens"] == report["total"]["tokens"], quality
+    # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer
+    assert quality["eval_loss"] < 5.0, quality
+    assert quality["perplexity"] == pytest.approx(math.exp(quality["eval_loss"]))
 
 
 def test_demo_on_the_builtin_trace_and_the_curtail_llm_trace(tmp_path: Path) -> None:

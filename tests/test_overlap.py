@@ -20,7 +20,6 @@ from greenswarm.averaging.round_report import RoundOutcome
 from greenswarm.node.config import TrainConfig
 from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
-from greenswarm.node.evaluation import EvalConfig, HeldOut
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_handling import RoundHandler, overlapped_matchmaking_s
@@ -180,7 +179,7 @@ def test_a_rank_shift_adds_in_place_what_a_gather_and_load_would_set() -> None:
     trainer = InnerTrainer(
         ModelConfig(), data, TrainConfig(batch_size=2, micro_batch_size=2, threads=1), World()
     )
-    ranks = SiteRanks(World(), trainer, HeldOut(EvalConfig(), data, trainer.tokenizer))
+    ranks = SiteRanks(World(), trainer)
     before = ranks.gather()
     shift = torch.linspace(-1.0, 1.0, before.numel())
     ranks.shift(shift)

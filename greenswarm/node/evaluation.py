@@ -60,6 +60,12 @@ class EvalConfig:
     default the shard the swarm leaves untrained is the last one. ``every_rounds``: evaluate when at
     least that many outer steps passed since the last evaluation. ``keep_best``: keep the checkpoints
     of the k lowest losses in ``run_dir/best`` (needs ``batches > 0``; 0 keeps none).
+
+    What is measured is the *global* model (:mod:`~greenswarm.node.global_eval`), on a copy of its own
+    on rank 0: ``device`` ``auto`` puts it where rank 0 trains, ``cpu`` on the CPU (a GPU short of
+    memory for one more unsharded copy). ``background``: measure beside training, on a thread of its
+    own (with ``keep_best`` the loop waits for each loss: the checkpoint it keeps must be the one
+    measured). The last global model is measured when the node stops, too.
     """
 
     batches: int = 0
@@ -68,6 +74,8 @@ class EvalConfig:
     batch_size: int = 8
     every_rounds: int = 1
     keep_best: int = 0
+    background: bool = True
+    device: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +96,10 @@ class EvalConfig:
         if self.num_shards and self.shard_index >= self.num_shards:
             raise ConfigError(
                 f"must be in [0, num_shards={self.num_shards}), got {self.shard_index}", field="shard_index"
+            )
+        if self.device not in ("auto", "cpu"):
+            raise ConfigError(
+                f"must be 'auto' (where rank 0 trains) or 'cpu', got {self.device!r}", field="device"
             )
         if self.keep_best and not self.enabled:
             raise ConfigError(
@@ -222,7 +234,9 @@ class BestCheckpoints:
         last = self.last_round
         return last is None or outer_round < last or outer_round - last >= self.cfg.every_rounds
 
-    def after_step(self, outer_round: int, lineage: str, evaluate: Callable[[], float]) -> float | None:
+    def after_step(
+        self, outer_round: int, lineage: str, evaluate: Callable[[], float | None]
+    ) -> float | None:
         """Evaluate when due and keep the current checkpoint if it is among the best; the loss or None.
 
         ``evaluate`` computes the held-out loss of the model just checkpointed (under torchrun, a
@@ -232,13 +246,17 @@ class BestCheckpoints:
         self.keep_if_best(outer_round, lineage, loss)
         return loss
 
-    def measure(self, outer_round: int, evaluate: Callable[[], float]) -> float | None:
+    def measure(self, outer_round: int, evaluate: Callable[[], float | None]) -> float | None:
         """The held-out loss of outer step ``outer_round`` when an evaluation is due, else None (the
-        loop's part: it needs the model as it is)."""
+        loop's part: it needs the model as it is). ``evaluate`` returns None for a loss measured
+        later, beside training (nothing to keep then: ``keep_best`` waits for its losses)."""
         if not self.due(outer_round):
             return None
-        loss = float(evaluate())
+        value = evaluate()
         self.last_round = outer_round
+        if value is None:
+            return None
+        loss = float(value)
         if not math.isfinite(loss):
             log.warning("held-out loss of outer step %d is %s; its checkpoint is not kept", outer_round, loss)
         return loss

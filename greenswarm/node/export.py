@@ -77,9 +77,9 @@ def export_run(
     payload, source, kept = _checkpoint(run_dir, best)
     names = [str(name) for name, _ in described["parameters"]]
     shapes = [torch.Size(shape) for _, shape in described["parameters"]]
-    flat = _evaluated(payload, names, source) if best else payload["outer"][0]
+    flat = payload["outer"][0]  # the global model: what a kept checkpoint's held-out loss measured too
     expected = sum(s.numel() for s in shapes)
-    if not best and flat.numel() == 2 * expected and _holds_z(described):
+    if flat.numel() == 2 * expected and _holds_z(described):
         flat = flat[:expected]  # schedule-free x, then the z the swarm averages too: the model is x
     if flat.numel() != expected:
         raise GreenswarmError(
@@ -99,7 +99,7 @@ def export_run(
         "outer_round": site.get("outer_round"),
         "lineage": site.get("lineage"),
         "held_out_loss": kept.loss if kept else None,
-        "model": "the model its held-out loss was measured on" if best else "the global model",
+        "model": "the global model (its held-out loss measured this one)" if best else "the global model",
         "identity": described["identity"],
         "source": described["source"],
         "tokenizer": described["tokenizer"],
@@ -213,17 +213,6 @@ def _holds_z(described: dict[str, Any]) -> bool:
     """Whether the run's global state is schedule-free ``x`` followed by ``z`` (``train.sf_z: average``)."""
     identity = ModelIdentity.from_wire(str(described.get("identity", "")))
     return identity is not None and identity.state == "x+z"
-
-
-def _evaluated(payload: dict[str, Any], names: list[str], source: Path) -> torch.Tensor:
-    """The model a kept checkpoint's held-out loss was measured on, as one flat vector: the site's own
-    model when it was saved (with rounds beside training, the global model plus the inner steps taken
-    while its round ran; with blocking rounds, the global model itself)."""
-    try:
-        state = payload["trainer"]["model"]
-        return torch.cat([state[name].detach().reshape(-1).to(torch.float32) for name in names])
-    except (KeyError, TypeError) as e:
-        raise GreenswarmError(f"{source} holds no model state under {e}; export it without --best") from None
 
 
 def _rebuild(

@@ -52,6 +52,11 @@ class ProgressRecord:
     model: str | None = None  # ModelIdentity.to_wire(): architecture, parameters, tokenizer, digest
     # digest of the global state this site serves at (outer_round, lineage): parameters and momentum
     state_digest: str | None = None
+    # the held-out loss of the global model last measured here (eval.batches), of outer step eval_round,
+    # whose digest (GlobalState.digest) is eval_digest: sites holding one digest report one number
+    eval_loss: float | None = None
+    eval_round: int | None = None
+    eval_digest: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -47,6 +47,9 @@ class RecordModel(pyd.BaseModel):
     plan: Optional[PlanModel] = None  # noqa: UP045  (a shared deadline plan)
     model: Optional[pyd.constr(strict=True, max_length=256)] = None  # type: ignore[valid-type]  # noqa: UP045
     state_digest: Optional[pyd.constr(strict=True, max_length=64)] = None  # type: ignore[valid-type]  # noqa: UP045
+    eval_loss: Optional[pyd.StrictFloat] = None  # noqa: UP045  (the global model's held-out loss)
+    eval_round: Optional[pyd.conint(strict=True, ge=0)] = None  # type: ignore[valid-type]  # noqa: UP045
+    eval_digest: Optional[pyd.constr(strict=True, max_length=64)] = None  # type: ignore[valid-type]  # noqa: UP045
 
     class Config:
         extra = pyd.Extra.forbid

@@ -27,6 +27,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
     table = Table(title=title or None, header_style="bold")
     refusals = any(r.refused for r in records)  # a column only when some site refused an update
     plans = any(r.next_start is not None for r in records)  # ... or follows a deadline plan
+    held_out = any(r.eval_loss is not None for r in records)  # ... or measures the global model
     for col, justify in [
         ("site", "left"),
         ("region", "left"),
@@ -35,6 +36,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
         ("steps", "right"),
         ("tokens", "right"),
         ("loss", "right"),
+        *([("held-out", "right")] if held_out else []),
         ("wire", "left"),
         ("window end", "left"),
         *([("next start", "left")] if plans else []),
@@ -55,6 +57,7 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
             f"{r.local_steps:,}",
             f"{r.tokens:,}",
             "-" if r.loss is None else f"{r.loss:.3f}",
+            *([held_out_cell(r)] if held_out else []),
             r.wire or "-",
             utc_short(r.window_end),
             *([utc_short(r.next_start)] if plans else []),
@@ -65,6 +68,14 @@ def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:
             *([f"[red]{r.refused}[/]" if r.refused else "0"] if refusals else []),
         )
     return table
+
+
+def held_out_cell(record: ProgressRecord) -> str:
+    """The global model's held-out loss and the outer step it was of, e.g. ``2.314 @12``."""
+    if record.eval_loss is None:
+        return "-"
+    step = f" @{record.eval_round}" if record.eval_round is not None else ""
+    return f"{record.eval_loss:.3f}{step}"
 
 
 def records_json(records: Sequence[ProgressRecord], indent: int | None = 2) -> str:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from greenswarm.node.distributed import World
-from greenswarm.node.evaluation import HeldOut
 from greenswarm.node.trainer import InnerTrainer, StepStats
 
 
@@ -28,7 +27,6 @@ class Op(enum.Enum):
     SHIFT = "shift"  # add a full flat vector to the parameters of every shard
     SAVE = "save"  # the trainer's state, for the checkpoint
     RESTORE = "restore"  # load the trainer's state from a checkpoint
-    EVALUATE = "evaluate"  # the held-out loss
     ASSIGN = "assign"  # claimed shards given to or taken from the ranks' readers
     STATUS = "status"  # every rank's claimed-shard reader (queue, positions), on rank 0
     IDLE = "idle"  # nothing: keeps the followers' collectives from timing out in long idles
@@ -38,8 +36,8 @@ class Op(enum.Enum):
 class SiteRanks:
     """Runs operations on every rank of the site; rank 0 calls the methods, the others :meth:`follow`."""
 
-    def __init__(self, world: World, trainer: InnerTrainer, held_out: HeldOut):
-        self.world, self.trainer, self.held_out = world, trainer, held_out
+    def __init__(self, world: World, trainer: InnerTrainer):
+        self.world, self.trainer = world, trainer
 
     # ---- rank 0
 
@@ -63,9 +61,6 @@ class SiteRanks:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.run(Op.RESTORE, state)
-
-    def evaluate(self) -> float:
-        return self.run(Op.EVALUATE)
 
     def idle(self) -> None:
         self.run(Op.IDLE)
@@ -115,8 +110,6 @@ class SiteRanks:
             return trainer.state_dict(own=bool(arg))  # (arg stays on rank 0: False elsewhere)
         if op is Op.RESTORE:
             return trainer.load_state_dict(arg)
-        if op is Op.EVALUATE:
-            return trainer.evaluate(self.held_out.batches())
         if op is Op.ASSIGN:
             return trainer.assign_shards(arg)  # (broadcast inside: arg stays on rank 0)
         if op is Op.STATUS:

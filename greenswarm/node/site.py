@@ -33,6 +33,7 @@ from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import HeldOut
 from greenswarm.node.export import describe_model
 from greenswarm.node.federation import Federation
+from greenswarm.node.global_eval import GlobalEvaluator, Snapshot
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.history import History
 from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
@@ -83,7 +84,8 @@ class SiteNode:
         self.faults = FaultPlan.from_env()
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
-        self.ranks = SiteRanks(self.world, self.trainer, HeldOut(cfg.eval, cfg.data, self.trainer.tokenizer))
+        self.ranks = SiteRanks(self.world, self.trainer)
+        self.evaluator = self._evaluator()  # the global model's held-out loss (rank 0, eval.batches)
         self.round_log = RoundLog(cfg.node.run_dir, self.started)
 
         # the site's place in the swarm (rank 0; the swarm's parts exist once it has joined)
@@ -319,12 +321,63 @@ class SiteNode:
     def _after_step(self) -> None:
         """What follows every change of the global model: checkpoint, held-out loss and the best
         checkpoints (when due), kept copy, record, fresh view."""
-        loss = self.checkpoints.after_step(self.ranks.evaluate)
-        if loss is not None:
-            self.stats.eval_loss = loss
-            self.log.info("outer step %d: held-out loss %.4f", self.global_state.outer_round, loss)
+        self.checkpoints.after_step(self._evaluate)
         self._report(force=True)
         self.swarm.view.refresh()
+
+    # ------------------------------------------------------------------ held-out evaluation
+
+    def _evaluator(self) -> GlobalEvaluator | None:
+        """Rank 0's evaluator of the global model, when ``eval.batches`` asks for one."""
+        cfg = self.cfg
+        if not cfg.eval.enabled or not self.world.is_leader:
+            return None
+        trainer = self.trainer
+        return GlobalEvaluator(
+            cfg.eval,
+            cfg.model,
+            HeldOut(cfg.eval, cfg.data, trainer.tokenizer),
+            trainer.tokenizer.vocab_size,
+            numel=sum(shape.numel() for shape in trainer.shapes),
+            device=self.world.device if cfg.eval.device == "auto" else cfg.eval.device,
+            run_dir=cfg.node.run_dir,
+        )
+
+    def _evaluate(self, wait: bool = False) -> float | None:
+        """Measure the global model as it is now: its loss when measured here (``eval.keep_best``, or
+        ``wait``), else None (it is measured beside training and published when done)."""
+        state = self.global_state
+        digest = state.digest()
+        with state.lock:
+            outer_round, lineage, _ = state.where()
+            flat = state.params[: self.evaluator.numel].clone()
+        snapshot = Snapshot(flat, outer_round, lineage, digest, self.stats.tokens, self.clock.now())
+        result = self.evaluator.submit(snapshot, wait=wait or self.cfg.eval.keep_best > 0)
+        return None if result is None else result.loss
+
+    def _take_evaluations(self) -> None:
+        """Publish the held-out losses measured since the last call (the record, the log, the summary)."""
+        if self.evaluator is None:
+            return
+        for done in self.evaluator.finished():
+            stats = self.stats
+            stats.eval_loss, stats.eval_round = done.loss, done.outer_round
+            stats.eval_digest, stats.eval_tokens = done.digest, done.held_out_tokens
+            self.log.info(
+                "outer step %d (%s): held-out loss %.4f, perplexity %.2f (%d tokens, %.1f s)",
+                done.outer_round, done.digest, done.loss, done.perplexity, done.held_out_tokens, done.seconds,
+            )  # fmt: skip
+
+    def _evaluate_last(self) -> None:
+        """At the end of a run: measure the global model it ends with, unless that one already was."""
+        if self.evaluator is None:
+            return
+        state = self.global_state
+        if not self.evaluator.measured(state.outer_round, state.lineage, state.digest()):
+            self._evaluate(wait=True)
+        else:
+            self.evaluator.drain()
+        self._take_evaluations()
 
     # ------------------------------------------------------------------ wiring and timing
 
@@ -364,11 +417,10 @@ class SiteNode:
                 gap / 3600.0,
             )
         # where continued pretraining starts, on the held-out shard its loss will be measured on
-        if not resumed and cfg.model.init_from is not None and cfg.eval.enabled:
-            self.stats.eval_loss = self.ranks.evaluate()
-            self.log.info(
-                "held-out loss of the starting model (%s): %.4f", cfg.model.source, self.stats.eval_loss
-            )
+        if not resumed and cfg.model.init_from is not None and self.evaluator is not None:
+            loss = self._evaluate(wait=True)
+            self.log.info("held-out loss of the starting model (%s): %.4f", cfg.model.source, loss)
+            self._take_evaluations()
         if cfg.train.schedule_free and cfg.averaging.outer == "diloco" and cfg.averaging.outer_momentum:
             self.log.warning(
                 "train.optimizer: adamw-schedulefree under averaging.outer: diloco: the outer momentum "
@@ -441,6 +493,7 @@ class SiteNode:
 
     def _report(self, force: bool = False) -> None:
         """Progress record (when due or forced), the entry-point watch, a periodic log line and history."""
+        self._take_evaluations()
         if self.swarm is not None:
             self.swarm.entry.poll()
             self.swarm.publisher.maybe_publish(lambda: progress_record(self), force=force)
@@ -493,6 +546,7 @@ class SiteNode:
         self.checkpoints.save()
         if self.shards is not None:
             self.shards.release_all("stopping")
+        self._evaluate_last()
         self._report(force=True)
         self.swarm.publisher.flush()
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
@@ -502,6 +556,8 @@ class SiteNode:
             self.schedule.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.shards is not None:
             self.shards.close()
         self.ranks.stop()

@@ -111,7 +111,7 @@ class SiteCheckpoints:
         self._last_save, self._unsaved = time.monotonic(), False
         self._commit(payload)
 
-    def after_step(self, evaluate: Callable[[], float]) -> float | None:
+    def after_step(self, evaluate: Callable[[], float | None]) -> float | None:
         """After an outer step: evaluate when due, save (every step, or as ``node.checkpoint_every_s``
         says, and always for a step whose loss is kept among the best), keep the best checkpoints and
         the global model when asked. Returns the held-out loss when one was measured."""

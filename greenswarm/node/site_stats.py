@@ -38,6 +38,9 @@ class SiteStats:
     first_loss: float | None = None
     first_step_s: float | None = None  # seconds from the node's start to its first step
     eval_loss: float | None = None  # the global model's held-out loss at its last evaluation
+    eval_round: int | None = None  # ... the outer step of the global model it measured
+    eval_digest: str | None = None  # ... and that model's digest (GlobalState.digest)
+    eval_tokens: int | None = None  # ... and how many held-out tokens the loss averages over
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
     def add_step(self, step: StepStats) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from greenswarm.node.global_eval import perplexity
 from greenswarm.node.progress import ProgressRecord
 from greenswarm.scheduler.state import SiteState
 from greenswarm.timefmt import utc_minute
@@ -70,6 +71,9 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         plan=getattr(node.schedule, "share", None),
         model=node.trainer.identity.to_wire(),
         state_digest=attested,
+        eval_loss=stats.eval_loss if stats.eval_loss is None or math.isfinite(stats.eval_loss) else None,
+        eval_round=stats.eval_round,
+        eval_digest=stats.eval_digest,
     )
 
 
@@ -99,9 +103,15 @@ def summary(node: RunningSite) -> dict[str, Any]:
         **stats.counts,
         "local_steps": stats.local_steps,
         "tokens": stats.tokens,
+        "tokens_since_sync": stats.tokens_since_sync,  # trained since its last outer step: in no global model
         "loss": stats.loss,
         "first_loss": stats.first_loss,
+        # the global model's held-out loss, last measured here (at the end of the run, of its last state)
         "eval_loss": stats.eval_loss,
+        "eval_perplexity": perplexity(stats.eval_loss),
+        "eval_round": stats.eval_round,
+        "eval_digest": stats.eval_digest,
+        "eval_tokens": stats.eval_tokens,
         "energy_kwh": node.ledger.energy_kwh,
         "emissions_g": node.ledger.emissions_g,
         "seconds_by_state": dict(node.ledger.seconds),
