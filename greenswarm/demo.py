@@ -31,6 +31,8 @@ SWARM = "greenswarm-demo"
 #: the longest the sites may take to start (imports, model, DHT); the replay begins as soon as all
 #: of them are ready, however long that took on this machine
 STARTUP_TIMEOUT_S = 300.0
+#: config fields the demo sets per site (with swarm.* and scheduler.clock.*): --set may not override them
+PER_SITE = ("name", "region", "node.run_dir", "scheduler.trace")
 EVAL_BATCHES = 8  # held-out batches of 8 x 128 tokens each site scores the global model on
 START_LEAD_S = 1.0  # wall seconds between the start file and the replay's start: every site sees it
 
@@ -76,6 +78,10 @@ def plan_sites(opts: DemoOptions) -> tuple[Any, list[str], float, float]:
         raise GreenswarmError("--minutes and --hours must be > 0")
     if opts.seed < 0:
         raise GreenswarmError(f"--seed must be >= 0, got {opts.seed}")
+    for override in opts.overrides:  # what the demo sets per site is not one value for all
+        key = override.partition("=")[0].strip()
+        if key in PER_SITE or key.startswith(("swarm.", "scheduler.clock.")):
+            raise GreenswarmError(f"--set {override}: the demo sets {key} for each site itself")
     speedup = hours * 3600 / (opts.minutes * 60)
     return trace, regions, hours, speedup
 
@@ -364,8 +370,9 @@ def build_report(
 
 def swarm_quality(sites: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any] | None:
     """What the swarm got: the held-out loss of the newest global model a site ended with (the outer
-    step most sites hold, on a tie), which sites hold it and whether they measured the same loss, and
-    the tokens it took. None when no site measured one (``eval.batches: 0``)."""
+    step most sites hold, on a tie), which sites hold it and whether they measured the same loss (on
+    the same held-out tokens), and the tokens the swarm trained. None when no site measured one
+    (``eval.batches: 0``)."""
     measured = [s for s in sites if s.get("eval_loss") is not None and s.get("eval_digest")]
     if not measured:
         return None
@@ -376,17 +383,21 @@ def swarm_quality(sites: list[dict[str, Any]], totals: dict[str, Any]) -> dict[s
     best = max(measured, key=lambda s: (s["eval_round"], len(holders(s["eval_digest"]))))
     held = holders(best["eval_digest"])
     loss = best["eval_loss"]
+    same_set = [s for s in held if s.get("eval_set") == best.get("eval_set")]
     return {
         "eval_loss": loss,
         "perplexity": best.get("eval_perplexity"),
         "outer_round": best["eval_round"],
         "digest": best["eval_digest"],
         "sites": [s["site"] for s in held],
-        # the same global model measured at each of them gives the same bits (global_eval.py)
-        "identical": len({s["eval_loss"] for s in held}) == 1,
+        # the same global model measured at each of them on the same tokens gives the same bits
+        # (global_eval.py); repr, so that NaN equals NaN
+        "identical": len({repr(s["eval_loss"]) for s in same_set}) == 1,
+        "held_out_set": best.get("eval_set"),
         "held_out_tokens": best.get("eval_tokens"),
-        # every token the sites trained; the part still in a site's local progress at the end (trained
-        # since its last outer step, in no global model) is named beside it
+        # every token the swarm's sites trained (a site that ended on another lineage or behind counts
+        # too); the part still in a site's local progress at the end (trained since its last outer
+        # step, in no global model) is named beside it
         "tokens": totals["tokens"],
         "tokens_not_averaged": sum(s.get("tokens_since_sync") or 0 for s in sites),
         "emissions_g": totals["emissions_g"],

@@ -99,12 +99,13 @@ def quality_line(quality: dict[str, Any] | None) -> str:
     if quality is None:
         return "the global model was not evaluated (eval.batches: 0)"
     held = ", ".join(quality["sites"])
-    same = "the same loss at each" if quality["identical"] else "[red]different losses[/]"
+    if len(quality["sites"]) > 1:
+        held += ": the same loss at each" if quality["identical"] else ": [red]different losses[/]"
     pending = quality["tokens_not_averaged"]
     rest = f" ({pending:,} of them trained after the sites' last outer steps)" if pending else ""
     return (
         f"the swarm's model (outer step {quality['outer_round']}, digest {quality['digest']}, "
-        f"held by {held}: {same}): held-out loss {quality['eval_loss']:.4f}, "
+        f"held by {held}): held-out loss {quality['eval_loss']:.4f}, "
         f"perplexity {quality['perplexity']:,.2f} on "
         f"{quality['held_out_tokens'] or 0:,} held-out tokens; it took {quality['tokens']:,} training "
         f"tokens{rest} and {quality['emissions_g']:,.0f} g CO2"

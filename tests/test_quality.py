@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from greenswarm.demo import swarm_quality
+from greenswarm.demo import DemoOptions, plan_sites, swarm_quality
 from greenswarm.demo_view import quality_line
-from greenswarm.errors import ConfigError
+from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.node.config import TrainConfig, load_site_config
 from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
@@ -63,7 +63,7 @@ def test_one_model_gives_one_loss_wherever_it_is_measured(trainer: InnerTrainer,
     here = _evaluator(trainer, tmp_path, background=False)
     there = _evaluator(trainer, background=True)
     try:
-        measured = here.submit(_snapshot(flat))
+        measured = here.submit(_snapshot(flat), here=True)
         assert there.submit(_snapshot(flat)) is None  # beside training: nothing yet
         assert there.drain(timeout=60)
         (beside,) = there.finished()
@@ -73,7 +73,7 @@ def test_one_model_gives_one_loss_wherever_it_is_measured(trainer: InnerTrainer,
         assert measured.perplexity == pytest.approx(math.exp(measured.loss))
         assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
         trainer.step()
-        moved = here.submit(_snapshot(trainer.full_parameters(), outer_round=2, digest="e"))
+        moved = here.submit(_snapshot(trainer.full_parameters(), outer_round=2, digest="e"), here=True)
         assert moved is not None and moved.loss != measured.loss
         lines = (tmp_path / EVALS_FILE).read_text().splitlines()
         assert len(lines) == 2 and '"digest": "e"' in lines[1]
@@ -99,9 +99,10 @@ def test_a_slow_evaluation_measures_the_newest_state_and_a_failure_is_said(
     A measurement that fails is logged, and the next state is measured all the same."""
     evaluator = _evaluator(trainer, background=True)
     flat = trainer.full_parameters()
-    gate, real = threading.Event(), evaluator.loss_of
+    entered, gate, real = threading.Event(), threading.Event(), evaluator.loss_of
 
     def slow(values: torch.Tensor) -> tuple[float, int]:
+        entered.set()
         gate.wait(30)
         if values[0].item() == 123.0:
             raise RuntimeError("out of memory")
@@ -110,6 +111,7 @@ def test_a_slow_evaluation_measures_the_newest_state_and_a_failure_is_said(
     monkeypatch.setattr(evaluator, "loss_of", slow)
     try:
         evaluator.submit(_snapshot(flat, outer_round=1))
+        assert entered.wait(30)
         for step in (2, 3, 4):  # while step 1 waits at the gate
             evaluator.submit(_snapshot(flat, outer_round=step))
         gate.set()
@@ -121,6 +123,7 @@ def test_a_slow_evaluation_measures_the_newest_state_and_a_failure_is_said(
             evaluator.submit(_snapshot(broken, outer_round=5))
             assert evaluator.drain(timeout=60)
         assert "held-out evaluation of outer step 5 failed: out of memory" in caplog.text
+        assert not evaluator.measured((5, "L", "d"))  # a failed one is not measured: the end tries again
         evaluator.submit(_snapshot(flat, outer_round=6))
         assert evaluator.drain(timeout=60)
         assert [e.outer_round for e in evaluator.finished()] == [6]
@@ -172,11 +175,15 @@ def test_the_demo_report_names_the_swarm_model_its_loss_and_its_tokens() -> None
     line = quality_line(quality)
     for text in (
         "held-out loss 2.5000", "perplexity 12.18", "8,192 held-out tokens", "300,000 training tokens",
-        "1,024 of them", "1,234 g CO2", "held by b, c",
+        "1,024 of them", "1,234 g CO2", "held by b, c: the same loss at each",
     ):  # fmt: skip
         assert text in line, (text, line)
     assert swarm_quality([{"site": "a", "eval_loss": None}], totals) is None
     assert "not evaluated" in quality_line(None)
+    # the demo's --set is for what every site shares; what it sets per site is refused before anything starts
+    for override in ("name=x", "node.run_dir=/tmp/x", "swarm.name=other", "scheduler.clock.speedup=2"):
+        with pytest.raises(GreenswarmError, match="the demo sets"):
+            plan_sites(DemoOptions(overrides=[override]))
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ or copies where the file system has no hard links; each one verifies with
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -148,17 +149,25 @@ def shards_overlap(index_a: int, count_a: int, index_b: int, count_b: int) -> bo
 
 
 class HeldOut:
-    """The fixed held-out batches of a site: read on first use, then the same tensors every time.
-
-    Built on every rank of a site (the data is deterministic), so that under FSDP every rank passes
-    the same batches to :meth:`~greenswarm.node.trainer.InnerTrainer.evaluate`.
-    """
+    """The fixed held-out batches of a site: read on first use, then the same tensors every time
+    (the node's :class:`~greenswarm.node.global_eval.GlobalEvaluator` reads them on rank 0)."""
 
     def __init__(self, cfg: EvalConfig, data: DataConfig, tokenizer: Any):
         self.cfg = cfg
         self.data = cfg.held_out(data)
         self.tokenizer = tokenizer
         self._batches: list[torch.Tensor] | None = None
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """A short digest of the held-out tokens: two sites measure one model alike only on one set
+        (it depends on the corpus, ``data.seed``, ``seq_len``, ``batches`` and ``batch_size``)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for batch in self.batches():
+                digest.update(batch.to(torch.int64).contiguous().numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:12]
+        return self._fingerprint
 
     def batches(self) -> list[torch.Tensor]:
         """``cfg.batches`` windows of ``(batch_size, seq_len + 1)`` tokens (empty when evaluation is off)."""
@@ -239,8 +248,8 @@ class BestCheckpoints:
     ) -> float | None:
         """Evaluate when due and keep the current checkpoint if it is among the best; the loss or None.
 
-        ``evaluate`` computes the held-out loss of the model just checkpointed (under torchrun, a
-        collective all ranks must join: the node broadcasts the operation before calling it).
+        ``evaluate`` computes the held-out loss of the global model just checkpointed, or returns None
+        when it is measured later, beside training (the node's :class:`GlobalEvaluator`).
         """
         loss = self.measure(outer_round, evaluate)
         self.keep_if_best(outer_round, lineage, loss)

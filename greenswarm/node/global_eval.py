@@ -55,6 +55,10 @@ class Snapshot:
     tokens: int  # this site's trained tokens when it was taken
     clock_time: float
 
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.outer_round, self.lineage, self.digest)
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -65,22 +69,27 @@ class Evaluation:
     digest: str
     loss: float
     held_out_tokens: int  # predicted tokens the loss averages over
+    held_out_set: str  # fingerprint of the held-out tokens: one loss per digest holds within one set
     tokens: int  # this site's trained tokens when the state was taken
     clock_time: float  # the site's clock (trace time) when the state was taken
     wall_time: float  # when the measurement ended
     seconds: float  # how long it took
 
     @property
-    def perplexity(self) -> float:
+    def perplexity(self) -> float | None:
         return perplexity(self.loss)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.outer_round, self.lineage, self.digest)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "perplexity": self.perplexity}
 
 
 def perplexity(loss: float | None) -> float | None:
-    """``exp(loss)``: inf where it overflows, None for no loss."""
-    if loss is None:
+    """``exp(loss)``: inf where it overflows, None for no loss or a loss that is not a number."""
+    if loss is None or math.isnan(loss):
         return None
     try:
         return math.exp(loss)
@@ -93,6 +102,8 @@ class GlobalEvaluator:
 
     ``numel``: how many leading values of the global vector are the model (the rest, for a
     schedule-free ``x+z`` state, is ``z``). ``device``: where the copy lives.
+
+    Memory: the model copy, and up to two snapshots of the model (one being measured, one waiting).
     """
 
     def __init__(
@@ -106,13 +117,15 @@ class GlobalEvaluator:
         run_dir: str | Path | None = None,
     ):
         self.cfg = cfg
-        self.model_cfg, self.held_out, self.vocab_size = model_cfg, held_out, vocab_size
-        self.numel, self.device = numel, torch.device(device)
+        self.held_out, self.numel, self.device = held_out, numel, torch.device(device)
         self.path = Path(run_dir) / EVALS_FILE if run_dir is not None else None
         self.last: Evaluation | None = None  # the newest measured
-        self.last_round: int | None = None  # the outer step last submitted (the cadence counts from it)
-        self._model: torch.nn.Module | None = None
-        self._submitted: tuple[int, str, str] | None = None  # (outer step, lineage, digest)
+        # built here, on the caller's thread: a model that does not fit fails at the start, not in the
+        # background hours later (and its seeded build never runs beside training)
+        self._model = build_model(model_cfg, vocab_size, device=self.device)
+        self._model.eval()
+        for param in self._model.parameters():
+            param.requires_grad_(False)
         self._pending: Snapshot | None = None
         self._busy = False
         self._done: list[Evaluation] = []
@@ -122,29 +135,13 @@ class GlobalEvaluator:
 
     # ---- what the node calls
 
-    def due(self, outer_round: int) -> bool:
-        """Whether outer step ``outer_round`` is to be measured: ``every_rounds`` steps since the last
-        one submitted (a catch-up can jump steps; a step behind the last, a resync, counts anew)."""
-        last = self.last_round
-        return self.cfg.enabled and (
-            last is None or outer_round < last or outer_round - last >= self.cfg.every_rounds
-        )
-
-    def measured(self, outer_round: int, lineage: str, digest: str) -> bool:
-        """Whether this state was already submitted (the end of a run measures only what is new)."""
-        return self._submitted == (outer_round, lineage, digest)
-
-    def submit(self, snapshot: Snapshot, wait: bool = False) -> Evaluation | None:
-        """Measure ``snapshot``: on the evaluator's thread (``eval.background``), or here and now
-        (``wait``, or not in the background); the evaluation when it was measured here, else None."""
-        self.last_round = snapshot.outer_round
-        self._submitted = (snapshot.outer_round, snapshot.lineage, snapshot.digest)
-        if wait or not self.cfg.background:
-            self.drain()  # (the older one first: results arrive in order)
-            result = self._measure(snapshot)
-            with self._cond:
-                self._done.append(result)
-            return result
+    def submit(self, snapshot: Snapshot, here: bool = False) -> Evaluation | None:
+        """Measure ``snapshot``: ``here`` and now (after any measurement under way), returning the
+        evaluation, or None when it failed (said in a warning); else on the evaluator's thread, and
+        None (:meth:`finished` gives it back when done)."""
+        if here:
+            self.drain()  # (the older one first: results arrive in order, and the model is free)
+            return self._measure_or_warn(snapshot)
         with self._cond:
             if self._pending is not None:
                 log.debug("outer step %d not measured: a newer state came first", self._pending.outer_round)
@@ -154,6 +151,16 @@ class GlobalEvaluator:
                 self._thread.start()
             self._cond.notify_all()
         return None
+
+    def result_of(self, snapshot: Snapshot) -> Evaluation | None:
+        """The newest evaluation if it is of ``snapshot``'s state, else None."""
+        last = self.last
+        return last if last is not None and last.key == snapshot.key else None
+
+    def measured(self, key: tuple[int, str, str]) -> bool:
+        """Whether the newest evaluation that succeeded is of the state ``(outer step, lineage,
+        digest)`` (call :meth:`drain` first: the end of a run measures only what is new)."""
+        return self.last is not None and self.last.key == key
 
     def finished(self) -> list[Evaluation]:
         """The evaluations that ended since the last call, oldest first."""
@@ -191,15 +198,23 @@ class GlobalEvaluator:
                     return
                 snapshot, self._pending, self._busy = self._pending, None, True
             try:
-                result: Evaluation | None = self._measure(snapshot)
-            except Exception as e:  # never the node's end: said, and the next state is measured
-                log.warning("held-out evaluation of outer step %d failed: %s", snapshot.outer_round, e)
-                result = None
-            with self._cond:
-                if result is not None:
-                    self._done.append(result)
-                self._busy = False
-                self._cond.notify_all()
+                self._measure_or_warn(snapshot)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _measure_or_warn(self, snapshot: Snapshot) -> Evaluation | None:
+        """Measure, never ending the node: a failure (out of memory, an unreadable held-out shard) is
+        one warning, and the next state is measured all the same."""
+        try:
+            result = self._measure(snapshot)
+        except Exception as e:
+            log.warning("held-out evaluation of outer step %d failed: %s", snapshot.outer_round, e)
+            return None
+        with self._cond:
+            self._done.append(result)
+        return result
 
     def _measure(self, snapshot: Snapshot) -> Evaluation:
         began = time.monotonic()
@@ -210,6 +225,7 @@ class GlobalEvaluator:
             digest=snapshot.digest,
             loss=loss,
             held_out_tokens=tokens,
+            held_out_set=self.held_out.fingerprint(),
             tokens=snapshot.tokens,
             clock_time=snapshot.clock_time,
             wall_time=time.time(),
@@ -227,7 +243,7 @@ class GlobalEvaluator:
         batches = self.held_out.batches()
         if not batches:
             raise ValueError("no held-out batches: the held-out shard is empty")
-        model = self._copy()
+        model = self._model
         if flat.numel() < self.numel:
             raise ValueError(
                 f"the global vector holds {flat.numel()} values, fewer than the model's {self.numel}"
@@ -244,15 +260,6 @@ class GlobalEvaluator:
             total += float(causal_lm_loss(model, batch)) * predicted
             tokens += predicted
         return total / tokens, tokens
-
-    def _copy(self) -> torch.nn.Module:
-        if self._model is None:
-            model = build_model(self.model_cfg, self.vocab_size, device=self.device)
-            model.eval()
-            for param in model.parameters():
-                param.requires_grad_(False)
-            self._model = model
-        return self._model
 
     def _append(self, result: Evaluation) -> None:
         if self.path is None:

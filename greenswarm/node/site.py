@@ -60,6 +60,8 @@ from greenswarm.security.certificates import CertificateError
 from greenswarm.timefmt import parse_instant, utc_minute
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
+#: how long a stopping node waits for a held-out measurement under way before its own last one
+FINAL_EVAL_WAIT_S = 300.0
 
 
 class SiteNode:
@@ -328,10 +330,15 @@ class SiteNode:
     # ------------------------------------------------------------------ held-out evaluation
 
     def _evaluator(self) -> GlobalEvaluator | None:
-        """Rank 0's evaluator of the global model, when ``eval.batches`` asks for one."""
+        """Rank 0's evaluator of the global model, when ``eval.batches`` asks for one. ``eval.device:
+        auto`` puts its copy where rank 0 trains on a one-rank site, and on the CPU on a sharded one
+        (sharded because its GPUs have no room for a whole copy)."""
         cfg = self.cfg
         if not cfg.eval.enabled or not self.world.is_leader:
             return None
+        device = cfg.eval.device
+        if device == "auto":
+            device = "cpu" if self.world.distributed else self.world.device
         trainer = self.trainer
         return GlobalEvaluator(
             cfg.eval,
@@ -339,21 +346,46 @@ class SiteNode:
             HeldOut(cfg.eval, cfg.data, trainer.tokenizer),
             trainer.tokenizer.vocab_size,
             numel=sum(shape.numel() for shape in trainer.shapes),
-            device=self.world.device if cfg.eval.device == "auto" else cfg.eval.device,
+            device=device,
             run_dir=cfg.node.run_dir,
         )
 
     def _evaluate(self, wait: bool = False) -> float | None:
-        """Measure the global model as it is now: its loss when measured here (``eval.keep_best``, or
-        ``wait``), else None (it is measured beside training and published when done)."""
-        state = self.global_state
-        digest = state.digest()
-        with state.lock:
-            outer_round, lineage, _ = state.where()
-            flat = state.params[: self.evaluator.numel].clone()
-        snapshot = Snapshot(flat, outer_round, lineage, digest, self.stats.tokens, self.clock.now())
-        result = self.evaluator.submit(snapshot, wait=wait or self.cfg.eval.keep_best > 0)
+        """Measure the global model as it is now. Beside training (``eval.background``), returning
+        None: the loss is published when done. Or, with ``wait``, ``eval.keep_best`` (the checkpoint it
+        keeps must be the one measured) or no background, the loss itself (None if it failed): on a
+        one-rank site measured here; on a sharded one on the evaluator's thread while the other ranks
+        idle (rank 0 alone measures, and their collectives must not time out meanwhile)."""
+        snapshot = self._snapshot()
+        if snapshot is None:
+            return None
+        evaluator = self.evaluator
+        if not (wait or self.cfg.eval.keep_best or not self.cfg.eval.background):
+            evaluator.submit(snapshot)
+            return None
+        if not self.world.distributed:
+            result = evaluator.submit(snapshot, here=True)
+        else:
+            evaluator.submit(snapshot)
+            while not evaluator.drain(timeout=self.cfg.node.idle_wall_s):
+                self.ranks.idle()
+            result = evaluator.result_of(snapshot)
         return None if result is None else result.loss
+
+    def _snapshot(self) -> Snapshot | None:
+        """The global state's model values, position and digest, all of one state (None if it kept
+        moving: nothing moves it where the node measures, so this is a guard, not a path)."""
+        state = self.global_state
+        for _ in range(3):
+            where = state.where()
+            digest = state.digest()  # (takes the lock itself: before it is held here)
+            with state.lock:
+                if state.where() == where:
+                    flat = state.params[: self.evaluator.numel].clone()
+                    outer_round, lineage, _ = where
+                    return Snapshot(flat, outer_round, lineage, digest, self.stats.tokens, self.clock.now())
+        self.log.warning("the global state kept moving: not measured this time")
+        return None
 
     def _take_evaluations(self) -> None:
         """Publish the held-out losses measured since the last call (the record, the log, the summary)."""
@@ -362,21 +394,32 @@ class SiteNode:
         for done in self.evaluator.finished():
             stats = self.stats
             stats.eval_loss, stats.eval_round = done.loss, done.outer_round
-            stats.eval_digest, stats.eval_tokens = done.digest, done.held_out_tokens
+            stats.eval_digest, stats.eval_tokens, stats.eval_set = (
+                done.digest,
+                done.held_out_tokens,
+                done.held_out_set,
+            )
             self.log.info(
                 "outer step %d (%s): held-out loss %.4f, perplexity %.2f (%d tokens, %.1f s)",
-                done.outer_round, done.digest, done.loss, done.perplexity, done.held_out_tokens, done.seconds,
+                done.outer_round, done.digest, done.loss, done.perplexity or math.nan, done.held_out_tokens,
+                done.seconds,
             )  # fmt: skip
 
     def _evaluate_last(self) -> None:
-        """At the end of a run: measure the global model it ends with, unless that one already was."""
-        if self.evaluator is None:
+        """At the end of a run: measure the global model it ends with, unless that one already was (or
+        the site never trained: a stop before its replay began). A background measurement still under
+        way gets ``FINAL_EVAL_WAIT_S`` to end; a stop must not hang on it."""
+        evaluator, state = self.evaluator, self.global_state
+        if evaluator is None or (self.stats.local_steps == 0 and state.outer_round == 0):
             return
-        state = self.global_state
-        if not self.evaluator.measured(state.outer_round, state.lineage, state.digest()):
+        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
+        while not evaluator.drain(timeout=self.cfg.node.idle_wall_s):
+            if time.monotonic() > deadline:
+                self.log.warning("the held-out evaluation under way did not end in %.0f s", FINAL_EVAL_WAIT_S)
+                return
+            self.ranks.idle()
+        if not evaluator.measured((state.outer_round, state.lineage, state.digest())):
             self._evaluate(wait=True)
-        else:
-            self.evaluator.drain()
         self._take_evaluations()
 
     # ------------------------------------------------------------------ wiring and timing
@@ -418,8 +461,8 @@ class SiteNode:
             )
         # where continued pretraining starts, on the held-out shard its loss will be measured on
         if not resumed and cfg.model.init_from is not None and self.evaluator is not None:
-            loss = self._evaluate(wait=True)
-            self.log.info("held-out loss of the starting model (%s): %.4f", cfg.model.source, loss)
+            if (loss := self._evaluate(wait=True)) is not None:
+                self.log.info("held-out loss of the starting model (%s): %.4f", cfg.model.source, loss)
             self._take_evaluations()
         if cfg.train.schedule_free and cfg.averaging.outer == "diloco" and cfg.averaging.outer_momentum:
             self.log.warning(

@@ -41,6 +41,7 @@ class SiteStats:
     eval_round: int | None = None  # ... the outer step of the global model it measured
     eval_digest: str | None = None  # ... and that model's digest (GlobalState.digest)
     eval_tokens: int | None = None  # ... and how many held-out tokens the loss averages over
+    eval_set: str | None = None  # ... and which (a fingerprint of the held-out tokens)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
     def add_step(self, step: StepStats) -> None:

@@ -71,10 +71,15 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         plan=getattr(node.schedule, "share", None),
         model=node.trainer.identity.to_wire(),
         state_digest=attested,
-        eval_loss=stats.eval_loss if stats.eval_loss is None or math.isfinite(stats.eval_loss) else None,
+        eval_loss=_finite(stats.eval_loss),
         eval_round=stats.eval_round,
         eval_digest=stats.eval_digest,
     )
+
+
+def _finite(value: float | None) -> float | None:
+    """``value``, or None where it is not a finite number (records and JSON take no NaN)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def status_line(node: RunningSite) -> str:
@@ -107,11 +112,12 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "loss": stats.loss,
         "first_loss": stats.first_loss,
         # the global model's held-out loss, last measured here (at the end of the run, of its last state)
-        "eval_loss": stats.eval_loss,
-        "eval_perplexity": perplexity(stats.eval_loss),
+        "eval_loss": _finite(stats.eval_loss),
+        "eval_perplexity": perplexity(_finite(stats.eval_loss)),
         "eval_round": stats.eval_round,
         "eval_digest": stats.eval_digest,
         "eval_tokens": stats.eval_tokens,
+        "eval_set": stats.eval_set,
         "energy_kwh": node.ledger.energy_kwh,
         "emissions_g": node.ledger.emissions_g,
         "seconds_by_state": dict(node.ledger.seconds),
