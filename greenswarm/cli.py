@@ -224,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a field of every site's config, e.g. --set averaging.outer=fedavg (repeatable)",
+        help="override a field of every site's config, e.g. --set averaging.outer=diloco (repeatable)",
     )
     demo.add_argument("--workdir", metavar="DIR", help="keep configs, logs and checkpoints here")
     demo.add_argument("--json", action="store_true", help="print the final report as JSON")

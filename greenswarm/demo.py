@@ -123,7 +123,10 @@ def _site_config(
             "threshold": opts.threshold,
             "clock": {"kind": "replay", "speedup": speedup, "start_file": str(start_file)},
         },
-        "averaging": {"sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
+        # the plain average of the sites' models: a demo round holds tens of inner steps, where DiLoCo's
+        # Nesterov outer step (tuned for hundreds) overshoots, most of all for a site alone; measured by
+        # benchmarks/swarm_vs_single.py (docs/quality.md). --set averaging.outer=diloco for the other
+        "averaging": {"outer": "fedavg", "sync_interval_s": sync_s, **LOOPBACK_TIMEOUTS},
         "node": {
             "run_dir": str(workdir / name),
             "progress_refresh_s": 1.0,
