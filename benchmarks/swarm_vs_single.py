@@ -63,6 +63,8 @@ def _trace() -> str:
 
 def demo(workdir: Path, seed: int, args: argparse.Namespace, regions: str | None = None) -> dict[str, Any]:
     """One ``greenswarm demo`` run; its report, each site's evaluations and history."""
+    from greenswarm.jsonlines import read_json_lines
+
     workdir.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "greenswarm", "demo", "--trace", args.trace, "--minutes", str(args.minutes),
@@ -78,24 +80,13 @@ def demo(workdir: Path, seed: int, args: argparse.Namespace, regions: str | None
     sites = {}
     for site in report["sites"]:
         run_dir = workdir / site["site"]
+        history = read_json_lines(run_dir / "history.jsonl")
         sites[site["site"]] = {
-            "evals": _lines(run_dir / "evals.jsonl"),
-            "points": [p for p in _lines(run_dir / "history.jsonl") if p.get("kind") == "point"],
-            "start": next((p for p in _lines(run_dir / "history.jsonl") if p.get("kind") == "start"), {}),
+            "evals": read_json_lines(run_dir / "evals.jsonl"),
+            "points": [p for p in history if p.get("kind") == "point"],
+            "start": next((p for p in history if p.get("kind") == "start"), {}),
         }
     return {"report": report, "sites": sites}
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _tokens_at(points: list[dict[str, Any]], clock: float) -> float:
@@ -159,8 +150,7 @@ def describe_node_run(run: dict[str, Any]) -> dict[str, Any]:
 
 def continuous(seed: int, tokens: int, batch: int, eval_at: list[int]) -> list[tuple[int, float]]:
     """Train one site without pause until ``tokens`` (rounded down to whole steps of ``batch``
-    sequences); (tokens, held-out loss) at every multiple of ``eval_every`` tokens in ``eval_at`` and at
-    the end."""
+    sequences); (tokens, held-out loss) at each of ``eval_at`` (to the step below it) and at the end."""
     import torch
 
     from greenswarm.node.config import TrainConfig

@@ -359,33 +359,41 @@ class SiteNode:
         snapshot = self._snapshot()
         if snapshot is None:
             return None
-        evaluator = self.evaluator
-        if not (wait or self.cfg.eval.keep_best or not self.cfg.eval.background):
+        evaluator, eval_cfg = self.evaluator, self.cfg.eval
+        if not (wait or eval_cfg.keep_best or not eval_cfg.background):
             evaluator.submit(snapshot)
             return None
-        if not self.world.distributed:
-            result = evaluator.submit(snapshot, here=True)
-        else:
+        if self.world.distributed:
             evaluator.submit(snapshot)
-            while not evaluator.drain(timeout=self.cfg.node.idle_wall_s):
-                self.ranks.idle()
+            self._wait_for_evaluator()
             result = evaluator.result_of(snapshot)
+        else:
+            result = evaluator.submit(snapshot, here=True)
         return None if result is None else result.loss
+
+    def _wait_for_evaluator(self, timeout_s: float = math.inf) -> bool:
+        """Wait until the evaluator's thread is done, the other ranks idling meanwhile (their
+        collectives must not time out while rank 0 alone measures); whether it was in ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.evaluator.drain(timeout=self.cfg.node.idle_wall_s):
+            if time.monotonic() > deadline:
+                return False
+            self.ranks.idle()
+        return True
 
     def _snapshot(self) -> Snapshot | None:
         """The global state's model values, position and digest, all of one state (None if it kept
         moving: nothing moves it where the node measures, so this is a guard, not a path)."""
         state = self.global_state
-        for _ in range(3):
-            where = state.where()
-            digest = state.digest()  # (takes the lock itself: before it is held here)
-            with state.lock:
-                if state.where() == where:
-                    flat = state.params[: self.evaluator.numel].clone()
-                    outer_round, lineage, _ = where
-                    return Snapshot(flat, outer_round, lineage, digest, self.stats.tokens, self.clock.now())
-        self.log.warning("the global state kept moving: not measured this time")
-        return None
+        where = state.where()
+        digest = state.digest()  # (takes the lock itself: before it is held here)
+        with state.lock:
+            if state.where() != where:
+                self.log.warning("the global state moved while it was taken: not measured this time")
+                return None
+            flat = state.params[: self.evaluator.numel].clone()
+        outer_round, lineage, _ = where
+        return Snapshot(flat, outer_round, lineage, digest, self.stats.tokens, self.clock.now())
 
     def _take_evaluations(self) -> None:
         """Publish the held-out losses measured since the last call (the record, the log, the summary)."""
@@ -412,12 +420,9 @@ class SiteNode:
         evaluator, state = self.evaluator, self.global_state
         if evaluator is None or (self.stats.local_steps == 0 and state.outer_round == 0):
             return
-        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
-        while not evaluator.drain(timeout=self.cfg.node.idle_wall_s):
-            if time.monotonic() > deadline:
-                self.log.warning("the held-out evaluation under way did not end in %.0f s", FINAL_EVAL_WAIT_S)
-                return
-            self.ranks.idle()
+        if not self._wait_for_evaluator(FINAL_EVAL_WAIT_S):
+            self.log.warning("the held-out evaluation under way did not end in %.0f s", FINAL_EVAL_WAIT_S)
+            return
         if not evaluator.measured((state.outer_round, state.lineage, state.digest())):
             self._evaluate(wait=True)
         self._take_evaluations()
