@@ -134,8 +134,6 @@ def test_a_slow_evaluation_measures_the_newest_state_and_a_failure_is_said(
 def test_the_record_and_the_table_carry_the_held_out_loss() -> None:
     """The signed record's schema takes the new fields; ``greenswarm progress`` shows a column for them
     (only when some site measures one)."""
-    from hivemind.dht.schema import SchemaValidator  # noqa: F401  (the validator's pydantic models)
-
     from greenswarm.node.progress_schema import RecordModel
 
     base = dict(
