@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.hivemind_internals import add_p2pd_mode, p2pd_mode
-from greenswarm.procs import exit_with_parent, reap_children
+from greenswarm.procs import exit_with_parent, reap_children, start_shared_memory_manager
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -324,6 +324,7 @@ def start_dht(
                 super().shutdown()
 
     _register_p2pd_modes()
+    start_shared_memory_manager()  # before hivemind's first shared tensor, where a stop could hang us
     delays = list(retry_delays_s) if initial_peers else []
     while True:
         try:

@@ -6,12 +6,13 @@ greenswarm command ends by terminating whatever descendants it still has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 
@@ -156,6 +157,53 @@ def interrupt_on_termination() -> None:
     for sig in _stop_signals():
         if sig != signal.SIGINT:  # Python already turns SIGINT into KeyboardInterrupt
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def restarting_system_calls() -> Iterator[None]:
+    """Inside, a signal with a Python handler (SIGTERM, Ctrl-C, ...) no longer fails an interrupted
+    system call with EINTR: the kernel restarts the call (``SA_RESTART``), and the handler runs as the
+    call returns to the interpreter. For C code that handles EINTR wrongly (see
+    :func:`start_shared_memory_manager`); nothing is blocked, so no child inherits a signal mask."""
+    handled = [sig for sig in signal.valid_signals() if callable(signal.getsignal(sig))]
+    for sig in handled:
+        signal.siginterrupt(sig, False)
+    try:
+        yield
+    finally:
+        for sig in handled:
+            signal.siginterrupt(sig, True)  # Python's own setting for a handler it installed
+
+
+#: the process that last made sure torch's shared-memory manager runs (a forked child checks again)
+_shm_manager_pid: int | None = None
+
+
+def start_shared_memory_manager() -> None:
+    """Start torch's shared-memory manager (``torch_shm_manager``) for this process now, with
+    :func:`restarting_system_calls`. Call it before the first DHT or averager: hivemind shares memory
+    from the start (each future's state), under torch's ``file_system`` strategy, which hivemind sets.
+
+    Why: torch's libshm starts the manager on a process's first shared tensor and reads the manager's
+    socket name from a pipe; when a signal interrupts that read (EINTR) it re-checks the stale return
+    value forever instead of reading again, in C++, holding the GIL. The process spins at full CPU and
+    no Python signal handler runs again: a ``greenswarm demo`` that got its SIGTERM while its progress
+    reader started its DHT never stopped (``test_shutdown``, "demo did not finish in 60 s" with an
+    empty log; py-spy showed it in ``UntypedStorage._share_filename_cpu_``). The manager takes
+    0.3-2 s to start on a loaded 2-core machine, so a stop during any command's start-up could land
+    there. ``tests/test_signals.py`` peppers the start with signals: it hung every time before.
+    """
+    global _shm_manager_pid
+    if _shm_manager_pid == os.getpid():
+        return
+    import torch
+    import torch.multiprocessing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        return  # file descriptors are passed directly: no manager to start
+    with restarting_system_calls():
+        torch.empty(1, dtype=torch.uint8).share_memory_()
+    _shm_manager_pid = os.getpid()
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -11,9 +11,12 @@ handler it exited -2 every time).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,62 @@ def test_a_stop_whose_interrupt_a_library_swallowed_still_stops_the_loop(tmp_pat
             proc.kill()
             proc.wait()
     assert proc.returncode == 130
+
+
+STARTING_SHARED_MEMORY = """\
+import signal
+import sys
+import time
+
+import torch.multiprocessing
+
+from greenswarm.procs import start_shared_memory_manager
+
+torch.multiprocessing.set_sharing_strategy("file_system")  # what importing hivemind does
+caught = []
+signal.signal(signal.SIGUSR1, lambda *_: caught.append(1))  # a Python handler, as every stop signal has
+print("ready", flush=True)
+sys.stdin.readline()
+start_shared_memory_manager()  # torch_shm_manager starts here, while the signals arrive
+torch.empty(4).share_memory_()  # and it serves this process
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the test signals until it sees this process end
+print(f"started; handled {len(caught)} signal(s)", flush=True)
+"""
+
+
+def test_signals_while_torch_starts_its_shared_memory_manager_do_not_hang_the_process(
+    tmp_path: Path,
+) -> None:
+    """torch's libshm spins forever, holding the GIL, when a signal interrupts its read of the
+    manager's socket name (EINTR); a ``greenswarm demo`` SIGTERMed while its progress reader started
+    its DHT never stopped. Signals arrive every half millisecond while the manager starts: without
+    :func:`~greenswarm.procs.start_shared_memory_manager`'s restarting system calls, this hung every
+    time (5 of 5); with them the start finishes and every handler still runs."""
+    (tmp_path / "starting_shared_memory.py").write_text(STARTING_SHARED_MEMORY)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "starting_shared_memory"],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its torch_shm_manager goes with it
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        sent = 0
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+                sent += 1
+            time.sleep(0.0005)
+        hung = proc.poll() is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0]
+    assert not hung, f"still starting 30 s later, after {sent} signals:\n{output}"
+    assert proc.returncode == 0 and "started; handled" in output, output
