@@ -55,7 +55,7 @@ from greenswarm.averaging.round_report import RoundFailed, RoundOutcome, RoundRe
 from greenswarm.averaging.screening import all_finite, screen_claims, update_norm, within_claims
 from greenswarm.averaging.wire import WireMismatch, choose_wire, offers_of, wire_offer
 from greenswarm.faults import FaultPlan
-from greenswarm.network import kill_if_daemon_gone
+from greenswarm.network import end_helper
 from greenswarm.procs import exit_with_parent
 from greenswarm.security.admission import Admission, RefusalLog
 from greenswarm.security.certificates import CertificateError
@@ -128,11 +128,13 @@ class SwarmAverager(DecentralizedAverager):
         super().run()
 
     def shutdown(self) -> None:
-        """hivemind's shutdown -- unless the DHT's p2p daemon, which this averager talks through, is
-        gone already (see :func:`greenswarm.network.kill_if_daemon_gone`)."""
+        """hivemind's shutdown, bounded -- or none when the DHT's p2p daemon, which this averager talks
+        through, is gone already (see :func:`greenswarm.network.end_helper`)."""
         dht_pid = getattr(self.dht, "pid", None)
-        if dht_pid is None or not kill_if_daemon_gone(self, dht_pid):
+        if dht_pid is None or not self.is_alive():
             super().shutdown()
+        else:
+            end_helper(self, dht_pid, super().shutdown)
 
     # ---- serving state (runs in this process, on hivemind's background thread) ----
 
