@@ -53,29 +53,91 @@ def loss_fell(site: dict) -> bool:
     return site["loss"] < max(site["first_loss"], UNTRAINED_LOSS)
 
 
-#: process sessions whose daemons belong to this test run: pytest's own and each harness child's
-#: (a daemon keeps its session when its parent dies, so this finds orphans without touching other
-#: programs' p2pd daemons on a shared machine)
-SESSIONS: set[int] = {os.getsid(0)}
+#: every process this test process starts inherits this variable with this value (the harness's
+#: commands, in-process DHTs' p2pd daemons, their orphans): whose daemons are whose is read from it, so a
+#: second test process on the machine -- a parallel worker, a soak beside -- is never blamed or killed
+OWNER_ENV = "GREENSWARM_TEST_OWNER"
+OWNER = os.environ[OWNER_ENV] = str(os.getpid())
 
 #: processes a harness started (directly or not) that outlived it: filled by :meth:`Swarm.close`,
 #: checked and emptied by the ``no_orphan_daemons`` fixture
 LEFT: list[str] = []
 
 
+def owned(proc: psutil.Process) -> bool:
+    """Whether ``proc`` was started (directly or not) by this test process."""
+    try:
+        return f"{OWNER_ENV}={OWNER}".encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
 def _p2pd_started_after(t0: float) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["name", "create_time"]):
         try:
-            if (
-                proc.info["name"] == "p2pd"
-                and proc.info["create_time"] >= t0 - 1
-                and os.getsid(proc.pid) in SESSIONS
-            ):
+            if proc.info["name"] == "p2pd" and proc.info["create_time"] >= t0 - 1 and owned(proc):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
     return found
+
+
+#: test modules that keep both cores busy -- several training sites (or torchrun ranks) at once, measured
+#: 62-94 % of this 2-core machine while they ran alone (the rest of the suite: 17-49 %, mostly waiting on
+#: replays, retries and polls) -- and test_deadline_node, whose plans price hours by the throughput its
+#: sites measure (at 3600x a wall second of a slowed step is an hour of the plan: beside a cpu-bound
+#: test its shared target came in 3 hours late). They carry the ``cpu_bound`` marker, and a parallel run
+#: gives them to one xdist worker, one after another, first; the other worker takes everything else
+#: beside them. So two of them never share the CPU -- test_fsdp's three-rank site missed its rounds when
+#: one did -- and what a test's timing meets beside it is at most the waiting kind
+CPU_BOUND = frozenset(
+    {
+        "test_bootstrap_loss",
+        "test_calibrated_node",
+        "test_certified_swarm",
+        "test_deadline_node",
+        "test_demo",
+        "test_fault_campaign",
+        "test_fsdp",
+        "test_hardening",
+        "test_nat",
+        "test_overlap",
+        "test_schedule_free_swarm",
+        "test_shards",
+        "test_shutdown",
+        "test_swarm",
+    }
+)
+
+
+def _module(nodeid: str) -> str:
+    return Path(nodeid.split("::", 1)[0]).stem
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the :data:`CPU_BOUND` modules' tests, and collect them first (a parallel run queues them
+    first: they are the longest lane)."""
+    for item in items:
+        if _module(item.nodeid) in CPU_BOUND:
+            item.add_marker(pytest.mark.cpu_bound)
+    items.sort(key=lambda item: _module(item.nodeid) not in CPU_BOUND)  # (stable: file order otherwise)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pyproject's ``-n 2``: xdist's loadscope (a module's tests on one worker, its module fixtures set up
+    once), with the :data:`CPU_BOUND` modules as one scope, queued first (in collection order). Not
+    xdist's ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer
+    reads, so its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CpuBoundFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cpu_bound" if _module(nodeid) in CPU_BOUND else nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # the collection's order: CPU_BOUND first
+    return CpuBoundFirst(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +185,6 @@ class Swarm:
             cwd=self.tmp,
         )
         self.procs[name] = proc
-        SESSIONS.add(proc.pid)  # start_new_session: the child's pid is its session id
         return proc
 
     def bootstrap(
@@ -202,6 +263,15 @@ class Swarm:
             raise AssertionError(
                 f"{name} did not finish in {timeout} s; log:\n{self.log(name)[-3000:]}"
             ) from None
+
+    def stop(self, *names: str, timeout: float = 90) -> dict[str, int]:
+        """Stop these commands as an operator does (``kill PID``: SIGTERM to the command alone, which a
+        node takes as "checkpoint, write the summary, leave") and return their exit codes. A test whose
+        question is answered stops its sites here instead of waiting out the rest of their trace."""
+        for name in names:
+            if self.procs[name].poll() is None:
+                os.kill(_rank_zero(self.procs[name].pid), signal.SIGTERM)
+        return {name: self.wait(name, timeout) for name in names}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal a process's whole session (its p2pd daemons included)."""
@@ -282,6 +352,20 @@ class Swarm:
             proc.wait()
 
 
+def _rank_zero(pid: int) -> int:
+    """The process to stop a site through: under torchrun its rank-0 worker -- which stops its other
+    ranks and lets torchrun exit 0, where torchrun itself answers a SIGTERM by passing it to every rank
+    and exiting with an error -- otherwise ``pid`` itself."""
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            env = child.environ()
+            if env.get("RANK") == "0" and psutil.Process(child.ppid()).environ().get("RANK") != "0":
+                return child.pid
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    return pid
+
+
 def progress_listings(output: str) -> list[list[dict]]:
     """The complete JSON listings ``greenswarm progress --watch --json`` has printed so far."""
     listings = []
@@ -343,6 +427,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def federated_rounds(run_dir: Path) -> int:
+    """Rounds a site has applied with others so far, from its round log (``run_dir/rounds.jsonl``)."""
+    from greenswarm.node.round_log import read_rounds
+
+    if not (run_dir / "rounds.jsonl").exists():
+        return 0
+    return sum(
+        1 for r in read_rounds(run_dir / "rounds.jsonl") if r["action"] == "apply" and len(r["members"]) > 1
+    )
+
+
+def shared_globals(root: Path, names: list[str]) -> dict[str, list[Path]]:
+    """The global models every one of ``names`` kept (``node.keep_globals``, in ``root/NAME/globals``):
+    file stem (outer step and lineage) -> each site's file. Only the names are read: a file being
+    written is complete once its site has stopped."""
+    kept: dict[str, list[Path]] = {}
+    for name in names:
+        for path in sorted((root / name / "globals").glob("outer-*.pt")):
+            kept.setdefault(path.stem, []).append(path)
+    return {stem: paths for stem, paths in kept.items() if len(paths) == len(names)}
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:

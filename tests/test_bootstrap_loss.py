@@ -60,7 +60,7 @@ def test_sites_survive_the_bootstrap_and_reregister(swarm: Swarm, tmp_path: Path
     for name in sites:
         os.kill(swarm.procs[name].pid, signal.SIGTERM)  # `kill PID`: a clean stop, summary written
     for name in sites:
-        assert swarm.wait(name, timeout=120) in (0, 130), swarm.log(name)[-3000:]
+        assert swarm.wait(name, timeout=120) == 0, swarm.log(name)[-3000:]
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["federated_rounds"] >= at_kill[name] + 2, summary
         assert summary["failed_rounds"] <= 2, summary  # rounds around the kill may fail, and say so

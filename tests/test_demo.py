@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from greenswarm.scheduler.config import ANCHOR_TRAIN_KW
+from greenswarm.scheduler.energy import baseline_emissions_g
+from greenswarm.traces import load_trace
 from tests._shared import shared_available, shared_path
 from tests.conftest import LEARNED_LOSS, loss_fell
 
@@ -41,7 +44,8 @@ def _report(proc: subprocess.Popen, workdir: Path) -> dict:
     return json.loads(out[out.index("{") :])
 
 
-def _check(report: dict, regions: list[str]) -> None:
+def _check(report: dict, regions: list[str], trace_spec: str) -> None:
+    trace = load_trace(trace_spec)
     assert [s["region"] for s in report["sites"]] == regions
     for site in report["sites"]:
         # it trained in its window and its loss fell from where it started. How far it fell depends
@@ -53,14 +57,24 @@ def _check(report: dict, regions: list[str]) -> None:
     # the swarm learned: the sites that averaged longest are well below the untrained loss
     assert min(site["loss"] for site in report["sites"]) < LEARNED_LOSS, report["sites"]
     # training only in windows emits less than the same training done at once from the start (equal
-    # work); what the site drew idle between windows, with its model kept, is booked beside it
+    # work); what the sites drew idle between windows, with their models kept, is booked beside it.
+    # Asserted for the swarm, not per site: a site whose only window opens the trace trains what running
+    # at once trains -- a tie -- and then books its wake-up at the replay's start and a round's overrun
+    # past its window's end at the window's dirtiest minutes, each stretched by the replay's speed-up
+    # (1080x: a wall second is 18 trace minutes), so its own ratio measured the machine's speed (1.0102
+    # and 1.033 seen under load). The swarm's trains a tenth of what running at once would emit.
+    trained = 0.0
     for site in report["sites"]:
         by_state = site["emissions_g_by_state"]
-        trained = by_state["SOLO"] + by_state["FEDERATED"]
-        # (a site whose window opens the trace trains what running at once trains: equal, within the
-        # step it overshoots its window by)
-        assert trained <= 1.01 * report["baseline_equal_work_g"][site["site"]], site
+        trained += by_state["SOLO"] + by_state["FEDERATED"]
         assert site["emissions_g"] == pytest.approx(sum(by_state.values()))
+        # the report's yardstick is the trace's own integral over the same trained seconds, from its start
+        seconds = site["seconds_by_state"]["SOLO"] + site["seconds_by_state"]["FEDERATED"]
+        at_once = baseline_emissions_g(
+            trace, site["region"], trace.start, trace.start + seconds, ANCHOR_TRAIN_KW
+        )
+        assert report["baseline_equal_work_g"][site["site"]] == pytest.approx(at_once), site
+    assert trained < 0.5 * sum(report["baseline_equal_work_g"].values()), report["baseline_equal_work_g"]
     _check_quality(report)
     # the run report beside it (greenswarm report): every section drawn from what the sites wrote
     page = Path(report["report_html"]).read_text()
@@ -85,7 +99,10 @@ def _check_quality(report: dict) -> None:
     assert all(len(set(losses.values())) == 1 for losses in shared.values()), shared
     quality = report["quality"]
     assert quality["identical"] and quality["tokens"] == report["total"]["tokens"], quality
-    # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer
+    # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer --
+    # the model the report names as the swarm's (the newest a site ended with) above all: a lone site's
+    # last outer steps must not have undone what the swarm learned (docs/quality.md saw DiLoCo's do so)
+    assert quality["eval_loss"] < 5.0, quality
     assert min(site["eval_loss"] for site in report["sites"]) < 5.0, report["sites"]
     assert quality["perplexity"] == pytest.approx(math.exp(quality["eval_loss"]))
 
@@ -99,12 +116,12 @@ def test_demo_on_the_builtin_trace_and_the_curtail_llm_trace(tmp_path: Path) -> 
         args = ("--trace", str(trace), "--regions", "CAISO_NORTH,SPP_TX,NEM_SA", "--threshold", "100")
         real = _start_demo(tmp_path / "curtail-llm", *args)
     report = _report(builtin, tmp_path / "builtin")
-    _check(report, ["CAISO_NORTH", "SPP_TX", "NEM_SA"])
+    _check(report, ["CAISO_NORTH", "SPP_TX", "NEM_SA"], "builtin")
     assert report["trace"] == "builtin:anchor3"
     if real is None:  # no ../shared here: the real-trace demo cannot run
         return
     report = _report(real, tmp_path / "curtail-llm")
-    _check(report, ["CAISO_NORTH", "SPP_TX", "NEM_SA"])
+    _check(report, ["CAISO_NORTH", "SPP_TX", "NEM_SA"], str(trace))
     # windows at 100 gCO2/kWh: 73, 82 and 126 of the 217 five-minute samples
     shares = {s["region"]: s["share_in_window"] for s in report["sites"]}
     assert shares == pytest.approx({"CAISO_NORTH": 73 / 217, "SPP_TX": 82 / 217, "NEM_SA": 126 / 217})

@@ -125,16 +125,20 @@ def _attack(swarm: Swarm, tmp: Path) -> Run:
     assert json.loads(revoked.stdout)["published"] is True
     revoked_at = time.time()
 
-    # the honest three go on without p: once each has applied AFTER rounds since the revocation (however
-    # late the catch-up and the revocation came on a busy machine), the operator stops the swarm; the
-    # trace is long enough that this happens well before it ends
+    # the honest three go on without p, and the newcomer, caught up, with them: once each of the three
+    # has applied AFTER rounds since the revocation and n one (however late the catch-up and the
+    # revocation came on a busy machine), the operator stops the swarm; the trace is long enough that
+    # this happens well before it ends
     def applied_after(name: str) -> int:
         rounds = read_rounds(tmp / name / "rounds.jsonl") if (tmp / name / "rounds.jsonl").exists() else []
         return sum(1 for r in rounds if r["action"] == "apply" and r["wall_time"] > revoked_at)
 
+    def going_on() -> bool:
+        return any(applied_after(name) < AFTER for name in HONEST) or applied_after("n") < 1
+
     end_s = start_wall + MINUTES * 60 / SPEEDUP - time.time()
     deadline = time.monotonic() + max(end_s, 0)
-    while time.monotonic() < deadline and any(applied_after(name) < AFTER for name in HONEST):
+    while time.monotonic() < deadline and going_on():
         time.sleep(0.3)
     codes = {"p": swarm.wait("p", timeout=max(deadline - time.monotonic(), 0) + 90)}
     for name in (*HONEST, "n"):  # a clean stop: the last checkpoint and summary
@@ -194,6 +198,7 @@ def test_a_revoked_member_is_refused_within_one_round(run: Run) -> None:
         ]  # fmt: skip
         assert late == [], (name, late)
         after = [r for r in run.rounds(name) if r["action"] == "apply" and r["wall_time"] > run.revoked_at]
-        # the three that averaged with p go on without it (the newcomer may still be catching up then:
-        # on a loaded machine it can miss every group, which is not the revocation's doing)
-        assert after or name == "n", (name, "no round after the revocation")
+        # the three that averaged with p go on without it, and so does the newcomer: it caught up before
+        # the revocation, and a site on the head joins the next group (StateSync.heal_due catches a
+        # laggard up between rounds, not at the boundary where it would miss the group)
+        assert after, (name, "no round after the revocation")

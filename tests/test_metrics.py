@@ -550,6 +550,8 @@ def test_a_live_swarm_is_scraped_over_http(swarm: Swarm, tmp_path: Path) -> None
         return scrape(requests.get(f"http://127.0.0.1:{ports[name]}/metrics", timeout=10).text)
 
     def averaged() -> bool:
+        for name in ports:  # (a site that ended stops serving its metrics: say why it ended)
+            assert swarm.procs[name].poll() is None, f"{name} ended first:\n{swarm.log(name)[-3000:]}"
         return all((value(site(n), "greenswarm_rounds_total", outcome="federated") or 0) >= 1 for n in ports)
 
     wait_until(averaged, 120, "a federated round at both sites")

@@ -316,6 +316,10 @@ def test_a_late_joiner_gets_only_unclaimed_shards(run: Run) -> None:
                     c for c in row["claims"] if c["site"] != "c" and c["claimed_at"] < c_at - SETTLE_S - 2.0
                 ]
                 assert not older, ("c claimed a held shard", row)
+    # (No check that no site logs "which claimed it first": a crossed claim that a store slower than the
+    # settle let stand is left with that line at the next renewal -- docs/data.md, "Crossed claims" --
+    # so its absence measured the DHT's speed under load. The samples above bound the claims: none of
+    # c's stood beside an older one.)
 
 
 def test_leases_survive_a_bootstrap_restart(run: Run) -> None:
@@ -346,4 +350,5 @@ def test_leases_survive_a_bootstrap_restart(run: Run) -> None:
         if line["wall_time"] < run.down_at:
             row = shown[line["shard"]]
             assert [row["epoch"], row["document"], row["offset"]] >= line["to"], (line, row)
+    # and the shards read through it name their readers: sites of this swarm, the killed one included
     assert {row["site"] for row in shown.values() if row["site"]} <= {"a", "b", "c"}

@@ -83,8 +83,8 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     interrupt_on_termination()
-    print("ready", flush=True)
-    try:
+    try:  # (from "ready" on: the test's SIGTERM may land while the print returns)
+        print("ready", flush=True)
         while True:
             try:  # a library call that swallows whatever is raised inside it
                 time.sleep(0.05)

@@ -8,7 +8,8 @@ trace minutes, 5 wall seconds):
     MID       -      in      in      in      in       -
     EAST      -      -       in      in      -        -
 
-so the swarm goes through SOLO, two- and three-site FEDERATED periods and an all-IDLE end.
+so the swarm goes through SOLO, two- and three-site FEDERATED periods and an all-IDLE end, where the
+test stops it.
 """
 
 from __future__ import annotations
@@ -140,10 +141,20 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         if abs(minute - 105) > 2:  # the state at a window's edge may lag by a training step
             assert record["state"] == _expected_state(record["region"], minute), record
 
-    for name in sites:
-        assert swarm.wait(name, timeout=start_wall + 180 * 60 / SPEEDUP + 90 - time.time()) == 0, swarm.log(
-            name
-        )[-3000:]
+    # once every site has left its window for good (MID last, at minute 150, or when the round it was
+    # in then ended) the swarm is all IDLE until the trace's end: the operator stops it there
+    def all_left() -> bool:
+        if all(swarm.procs[name].poll() is not None for name in sites):
+            return True
+        for name, region in sites.items():
+            leaves = [_minutes(t) for _, b, t, _ in TRANSITION.findall(swarm.log(name)) if b == "IDLE"]
+            if not any(m >= WINDOWS_MIN[region][1] - EDGE_MIN for m in leaves):
+                return False
+        return True
+
+    wait_until(all_left, start_wall + 180 * 60 / SPEEDUP + 60 - time.time(), "every site to leave its window")
+    codes = swarm.stop(*sites)
+    assert all(code == 0 for code in codes.values()), {name: swarm.log(name)[-3000:] for name in sites}
 
     summaries = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in sites}
     for name, region in sites.items():
