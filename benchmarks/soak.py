@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MARKERS = ("swarm", "faults", "nat", "security", "compression")
 #: what .ci/run exports: tests that would skip elsewhere must run (and fail if they cannot)
-CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1"}
+CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1", "GREENSWARM_REQUIRE_BROWSER": "1"}
 RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
 MARKER_ENV = "GREENSWARM_SOAK_RUN"  # inherited by everything a run starts: whose p2pd daemons are whose
 LEAK_GRACE_S = 10.0  # a daemon whose peer was stopped cleanly exits within moments (tests/conftest.py)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -99,6 +100,29 @@ def _holders(listing: dict[str, Any]) -> dict[int, str]:
     return {row["shard"]: row["site"] for row in _rows(listing) if row["site"]}
 
 
+def _leases(listing: dict[str, Any]) -> dict[tuple[int, str, float], float]:
+    """(shard, site, claimed at) -> until, for every live lease in ``listing``."""
+    return {
+        (row["shard"], c["site"], c["claimed_at"]): c["until"]
+        for row in _rows(listing)
+        for c in row["claims"]
+    }
+
+
+def _renewed_between(samples: list[dict[str, Any]], t0: float, t1: float) -> set[tuple[int, str, float]]:
+    """Leases held before ``t0`` that a sample taken between ``t0`` and ``t1`` shows renewed (the same
+    claim, a later ``until``)."""
+    before = [s for s in samples if s["at"] < t0]
+    if not before:
+        return set()
+    held = _leases(before[-1])
+    renewed = set()
+    for sample in samples:
+        if t0 < sample["at"] < t1:
+            renewed |= {k for k, until in _leases(sample).items() if k in held and until > held[k]}
+    return renewed
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp = tmp_path_factory.mktemp("shards")
@@ -164,9 +188,15 @@ def _scenario(swarm: Swarm, tmp: Path) -> Run:
     wait_until(lambda: all(p.exists() for p in journals), 120, "a and b to commit what they read")
     wait_until(lambda: len(_listings(swarm.log("watchb"))) >= 3, 60, "the reader through b to see the leases")
 
-    # the bootstrap goes away and comes back: same identity, same address
+    # the bootstrap goes away -- and stays away until the reader through b has seen a lease renewed
+    # without it (the records live on the sites) -- then comes back: same identity, same address
     result.down_at = time.time()
     swarm.kill("bootstrap")
+    wait_until(
+        lambda: bool(_renewed_between(_listings(swarm.log("watchb")), result.down_at, math.inf)),
+        3 * LEASE_S,
+        "a lease renewed while the bootstrap was away",
+    )
     swarm.bootstrap("bootstrap2", "test", listen, "boot.key")
     result.up_at = time.time()
 
@@ -323,25 +353,17 @@ def test_a_late_joiner_gets_only_unclaimed_shards(run: Run) -> None:
 
 
 def test_leases_survive_a_bootstrap_restart(run: Run) -> None:
-    def leases(sample: dict[str, Any]) -> set[tuple[int, str, float]]:
-        """(shard, site, claimed at) of every live lease in ``sample``."""
-        return {(row["shard"], c["site"], c["claimed_at"]) for row in _rows(sample) for c in row["claims"]}
-
-    def renewed(sample: dict[str, Any]) -> set[tuple[int, str, float]]:
-        """Leases in ``sample`` renewed at least once since their claim (running past a lease's life)."""
-        return {
-            (row["shard"], c["site"], c["claimed_at"])
-            for row in _rows(sample)
-            for c in row["claims"]
-            if c["until"] > c["claimed_at"] + LEASE_S + 0.5
-        }
-
     before = [s for s in run.through_b if s["at"] < run.down_at]
     after = [s for s in run.through_b if s["at"] > run.up_at]
     assert before and after, (len(before), len(after))
-    # a lease claimed before the bootstrap went away is, after it came back, the same lease, renewed
-    kept = leases(before[-1]) & set().union(*map(renewed, after))
-    assert kept, (leases(before[-1]), [renewed(s) for s in after[:3]])
+    # leases held when the bootstrap went away were renewed while it was away (the scenario waited for
+    # that), and no site's lease ran out for want of a renewal the DHT took, then or later. (The check
+    # that a lease held before the restart shows renewed after it asked a shard to outlast the
+    # bootstrap's restart: a reader finishes one in 5-7 s, a restart takes 3-4 s, so a machine that
+    # trained faster -- the suite's exclusive lane -- left no such lease, once in 6 full runs.)
+    assert _renewed_between(run.through_b, run.down_at, run.up_at)
+    for name, log in run.logs.items():
+        assert "could not renew the lease" not in log, (name, log[-3000:])
     # and nothing of the swarm's shards was lost with the bootstrap: read through the new one, every
     # shard stands at or past where the sites had committed it before it went away
     assert run.after_restart, "nothing read through the restarted bootstrap"
