@@ -71,6 +71,11 @@ def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -
     assert all(started.values()), started  # each has helpers (and daemons) that must not be left
 
     pid = swarm.procs
+    # (a node killed before its first checkpoint -- written with its first round -- starts afresh, which
+    # benchmarks/restart_soak.py and docs/testing.md cover; here it must resume from one)
+    wait_until(
+        lambda: (tmp_path / "node-crash" / "checkpoint.pt").exists(), 60, "node-crash's first checkpoint"
+    )
     (crashed,) = psutil.Process(pid["node-crash"].pid).children()  # the node under its supervisor
     crashed.kill()  # a crash: the supervisor forks a new node, which resumes from the checkpoint
     wait_until(lambda: swarm.log("node-crash").count("first training step") == 2, 60, "the node's restart")
