@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.hivemind_internals import add_p2pd_mode, p2pd_mode
-from greenswarm.procs import exit_with_parent, reap_children, start_shared_memory_manager
+from greenswarm.procs import exit_with_parent, reap_children, start_shared_memory_manager, stopping
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -371,7 +371,8 @@ def start_dht(
 
 
 #: how long a p2p daemon that got the same stop as its owner (Ctrl-C, or SIGTERM to the process group)
-#: may take to exit before it counts as alive: 20-70 ms measured on a quiet 2-core machine
+#: may take to exit before it counts as alive: 20-70 ms measured on a quiet 2-core machine. Waited only
+#: once a stop signal arrived (:func:`greenswarm.procs.stopping`), so a clean stop pays nothing for it
 DAEMON_EXIT_GRACE_S = 0.25
 
 
@@ -401,7 +402,8 @@ def kill_if_daemon_gone(helper: Any, dht_pid: int) -> bool:
     The grace matters: the stop reaches the daemon and its owner at once, and an owner that looked
     at once saw a daemon still exiting, took the clean path and waited 6-7 s on it (a bootstrap
     stopped by SIGTERM to its group, right after it started)."""
-    if not helper.is_alive() or _daemon_alive(dht_pid, DAEMON_EXIT_GRACE_S):
+    grace_s = DAEMON_EXIT_GRACE_S if stopping() else 0.0  # (no stop signal: nothing made the daemon go)
+    if not helper.is_alive() or _daemon_alive(dht_pid, grace_s):
         return False
     helper.kill()  # it ignores SIGTERM: its owner stops it (procs.on_termination)
     helper.join(2.0)

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -84,6 +85,17 @@ def _stop_signals() -> list[int]:
     return sigs
 
 
+#: set by every stop handler below, once a stop arrived: a SIGTERM or Ctrl-C to the process group also
+#: reached this process's p2p daemons, so shutting a helper down waits a moment for its daemon to go
+#: (:func:`greenswarm.network.end_helper`) -- and only then, not on every clean stop
+_stopping = threading.Event()
+
+
+def stopping() -> bool:
+    """Whether a stop signal (SIGINT, SIGTERM, SIGHUP) has reached this process."""
+    return _stopping.is_set()
+
+
 def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) -> None:
     """Call ``callback`` on SIGINT/SIGTERM/SIGHUP, once. A repeat within ``repeat_after_s`` is the same
     stop arriving twice (Ctrl-C reaches a whole process group, and a supervisor passes it on too) and
@@ -105,6 +117,7 @@ def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) ->
             os.kill(owner, signum)
             return
         first.append(time.monotonic())
+        _stopping.set()
         log.info("received %s: finishing cleanly", signal.Signals(signum).name)
         callback()
 
@@ -151,12 +164,20 @@ def interrupt_on_termination() -> None:
             return
         for sig in (signal.SIGTERM, signal.SIGHUP):  # cleanup must not be cut short by a repeat
             signal.signal(sig, signal.SIG_IGN)
+        _stopping.set()
         _terminated.set()
         raise Terminated(signal.Signals(signum).name)
 
+    def interrupt(signum: int, frame: Any) -> None:
+        if os.getpid() == owner:
+            _stopping.set()
+        signal.default_int_handler(signum, frame)  # Python's own KeyboardInterrupt, as a shell expects
+
     for sig in _stop_signals():
-        if sig != signal.SIGINT:  # Python already turns SIGINT into KeyboardInterrupt
-            signal.signal(sig, handler)
+        signal.signal(sig, interrupt if sig == signal.SIGINT else handler)
+
+
+_restarting = threading.Lock()  # (one at a time: the setting is the process's, not a thread's)
 
 
 @contextlib.contextmanager
@@ -164,18 +185,22 @@ def restarting_system_calls() -> Iterator[None]:
     """Inside, a signal with a Python handler (SIGTERM, Ctrl-C, ...) no longer fails an interrupted
     system call with EINTR: the kernel restarts the call (``SA_RESTART``), and the handler runs as the
     call returns to the interpreter. For C code that handles EINTR wrongly (see
-    :func:`start_shared_memory_manager`); nothing is blocked, so no child inherits a signal mask."""
-    handled = [sig for sig in signal.valid_signals() if callable(signal.getsignal(sig))]
-    for sig in handled:
-        signal.siginterrupt(sig, False)
-    try:
-        yield
-    finally:
+    :func:`start_shared_memory_manager`); nothing is blocked, so no child inherits a signal mask. On
+    leaving, each handler interrupts system calls again, as Python installs its own handlers; not
+    reentrant, and meant for handlers installed with ``signal.signal`` (asyncio's keep restarting)."""
+    with _restarting:
+        handled = [sig for sig in signal.valid_signals() if callable(signal.getsignal(sig))]
         for sig in handled:
-            signal.siginterrupt(sig, True)  # Python's own setting for a handler it installed
+            signal.siginterrupt(sig, False)
+        try:
+            yield
+        finally:
+            for sig in handled:
+                signal.siginterrupt(sig, True)
 
 
-#: the process that last made sure torch's shared-memory manager runs (a forked child checks again)
+#: the process that last made sure torch's shared-memory manager runs: torch's record of it is
+#: inherited by a forked child, which then only confirms it with one round trip
 _shm_manager_pid: int | None = None
 
 
