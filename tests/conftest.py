@@ -8,6 +8,7 @@ during the test is still alive, and fails the test if one is (after killing it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -126,11 +127,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """pyproject's ``-n 2``: xdist's loadscope (a module's tests on one worker, its module fixtures set up
-    once), with the :data:`CPU_BOUND` modules as one scope, queued first (in collection order). Not
-    xdist's ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer
-    reads, so its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
+    """pyproject's ``-n 2`` (xdist's default ``--dist load``; any other ``--dist`` is xdist's own):
+    loadscope (a module's tests on one worker, its module fixtures set up once), with the
+    :data:`CPU_BOUND` modules as one scope, queued first (in collection order). Not xdist's
+    ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer reads, so
+    its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":
+        return None
 
     class CpuBoundFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -270,7 +275,8 @@ class Swarm:
         question is answered stops its sites here instead of waiting out the rest of their trace."""
         for name in names:
             if self.procs[name].poll() is None:
-                os.kill(_rank_zero(self.procs[name].pid), signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):  # (it may end between the two)
+                    os.kill(_rank_zero(self.procs[name].pid), signal.SIGTERM)
         return {name: self.wait(name, timeout) for name in names}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -357,12 +363,18 @@ def _rank_zero(pid: int) -> int:
     ranks and lets torchrun exit 0, where torchrun itself answers a SIGTERM by passing it to every rank
     and exiting with an error -- otherwise ``pid`` itself."""
     try:
-        for child in psutil.Process(pid).children(recursive=True):
-            env = child.environ()
-            if env.get("RANK") == "0" and psutil.Process(child.ppid()).environ().get("RANK") != "0":
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return pid
+    for child in children:  # (a helper that ends while it is read is skipped, not the search)
+        try:
+            if (
+                child.environ().get("RANK") == "0"
+                and psutil.Process(child.ppid()).environ().get("RANK") != "0"
+            ):
                 return child.pid
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return pid
 
 

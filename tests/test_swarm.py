@@ -142,7 +142,8 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
             assert record["state"] == _expected_state(record["region"], minute), record
 
     # once every site has left its window for good (MID last, at minute 150, or when the round it was
-    # in then ended) the swarm is all IDLE until the trace's end: the operator stops it there
+    # in then ended) the swarm is all IDLE until the trace's end: the operator stops it a round's
+    # interval later (watched: nobody trains, or averages, outside its window)
     def all_left() -> bool:
         if all(swarm.procs[name].poll() is not None for name in sites):
             return True
@@ -153,6 +154,7 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
         return True
 
     wait_until(all_left, start_wall + 180 * 60 / SPEEDUP + 60 - time.time(), "every site to leave its window")
+    time.sleep(SYNC_S / SPEEDUP)  # (a round's interval of the all-IDLE end, on the trace's own clock)
     codes = swarm.stop(*sites)
     assert all(code == 0 for code in codes.values()), {name: swarm.log(name)[-3000:] for name in sites}
 
