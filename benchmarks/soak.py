@@ -16,6 +16,10 @@ Printed: one line per run as it ends, then a table of every test that failed at 
 id, runs, failures, and the first line of each distinct failure, with how often it was seen), then
 per marker: tests, runs, and runs in which any of its tests failed. A run that leaves a p2pd daemon
 behind, or whose pytest process itself fails (crash, timeout, collection error), is a failure too.
+A run during which the machine itself stopped is marked (``paused``), and its failures are the
+machine's to explain before anyone's test: this sandbox's VM is sometimes snapshotted, frozen for
+tens of seconds ("virtual machine fork" in the kernel log), and a watchdog thread sees any stall of
+the whole machine as a gap of seconds between its ticks of 0.2 s (wall or monotonic clock).
 ``--json`` prints the whole report as JSON instead; ``--keep DIR`` keeps every run's JUnit XML and
 pytest output there, and after a failure its tests' directories (logs, configs, round logs).
 
@@ -35,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -48,6 +53,8 @@ CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1", "GREE
 RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
 MARKER_ENV = "GREENSWARM_SOAK_RUN"  # inherited by everything a run starts: whose p2pd daemons are whose
 LEAK_GRACE_S = 10.0  # a daemon whose peer was stopped cleanly exits within moments (tests/conftest.py)
+VM_FORK = "virtual machine fork"  # the kernel's line when its VM was snapshotted and resumed
+STALL_TICK_S, STALL_S = 0.2, 2.0  # a tick of 0.2 s that took 2 s: the machine (not a process) stopped
 
 
 @dataclass
@@ -63,6 +70,48 @@ class RunResult:
     skipped: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # test id -> first line of its failure
     leaked: list[str] = field(default_factory=list)  # p2pd daemons alive after the run
+    paused: list[str] = field(default_factory=list)  # the machine stopped during the run (see VmWatch)
+
+
+def vm_forks() -> int | None:
+    """How many times the kernel log says its VM was snapshotted (None: the log cannot be read)."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.count(VM_FORK) if out.returncode == 0 else None
+
+
+class VmWatch:
+    """Sees the whole machine stop during a run: new "virtual machine fork" lines in the kernel log,
+    and ticks of a 0.2 s sleep that took seconds on either clock (a frozen VM's monotonic clock may
+    not advance, its wall clock then jumps)."""
+
+    def __init__(self) -> None:
+        self.forks_before = vm_forks()
+        self.stalls: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="vm-watch", daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        mono, wall = time.monotonic(), time.time()
+        while not self._stop.wait(STALL_TICK_S):
+            now_mono, now_wall = time.monotonic(), time.time()
+            gap = max(now_mono - mono, now_wall - wall)
+            if gap >= STALL_S:
+                at = time.strftime("%H:%M:%S", time.localtime(wall))
+                self.stalls.append(f"machine stalled {gap:.1f} s at {at}")
+            mono, wall = now_mono, now_wall
+
+    def finish(self) -> list[str]:
+        self._stop.set()
+        self._thread.join()
+        after = vm_forks()
+        forks = []
+        if self.forks_before is not None and after is not None and after > self.forks_before:
+            forks = [f"VM snapshotted {after - self.forks_before}x (kernel log: '{VM_FORK}')"]
+        return forks + self.stalls
 
 
 def first_line(text: str) -> str:
@@ -146,6 +195,7 @@ def run_pytest(
     ]
     env = {**os.environ, **CI_ENV, "TMPDIR": str(work), MARKER_ENV: work.name}
     t0 = time.monotonic()
+    watch = VmWatch()
     with open(work / "pytest.out", "w") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -165,7 +215,7 @@ def run_pytest(
                     os.kill(pid, signal.SIGKILL)
             shutil.rmtree(work, ignore_errors=True)
             raise
-    result = RunResult(index, label, markers, time.monotonic() - t0, rc)
+    result = RunResult(index, label, markers, time.monotonic() - t0, rc, paused=watch.finish())
     if junit.exists():
         try:
             read_junit(junit, result)
@@ -274,6 +324,7 @@ def report(runs: list[RunResult], by_marker: dict[str, set[str]], args: argparse
         "markers": markers,
         "total_runs": len(runs),
         "runs_with_failure": sum(1 for r in runs if r.failed),
+        "runs_with_machine_pause": sum(1 for r in runs if r.paused),
         "median_run_s": sorted(r.seconds for r in runs)[len(runs) // 2] if runs else None,
     }
 
@@ -289,8 +340,12 @@ def print_report(rep: dict) -> None:
     print()
     hog = f" (CPU hog: {rep['hog']} busy processes)" if rep["hog"] else ""
     median = rep["median_run_s"] or 0
+    paused = f", {rep['runs_with_machine_pause']} during which the machine stopped" * bool(
+        rep["runs_with_machine_pause"]
+    )
     print(
-        f"{rep['total_runs']} runs, {rep['runs_with_failure']} with a failure{hog}; median run {median:.0f} s"
+        f"{rep['total_runs']} runs, {rep['runs_with_failure']} with a failure{paused}{hog}; "
+        f"median run {median:.0f} s"
     )
     if not rep["failed_tests"]:
         print("no test failed")
@@ -359,9 +414,10 @@ def main() -> int:
                 )
                 runs.append(run)
                 bad = ", ".join(sorted(run.failed)) or "-"
+                stopped = f"; MACHINE STOPPED: {'; '.join(run.paused)}" if run.paused else ""
                 print(
                     f"run {i}/{args.runs} [{label}]: {run.passed} passed, {len(run.failed)} failed, "
-                    f"{run.skipped} skipped in {run.seconds:.0f} s; failed: {bad}",
+                    f"{run.skipped} skipped in {run.seconds:.0f} s; failed: {bad}{stopped}",
                     file=sys.stderr,
                     flush=True,
                 )
