@@ -418,16 +418,23 @@ class EnergyConfig:
     serves a GPU site and a CPU replay alike. A measured draw covers the GPUs only, so it is
     multiplied by ``nvml_overhead`` (>= 1) for the rest of the machine: CPUs, fans, PSU losses.
     A measured draw is measured in every state: while IDLE it is what the GPUs draw holding the model.
+
+    ``released_kw`` is what a site is charged while it has given its GPUs back between windows
+    (:mod:`greenswarm.scheduler.release`): 0 by default, since released GPUs do other work (whose
+    draw is that work's) or sleep; set it to what a sleeping machine still draws where it is the
+    site's to pay.
     """
 
     train_kw: float = ANCHOR_TRAIN_KW
     idle_kw: float = ANCHOR_IDLE_KW
+    released_kw: float = 0.0
     source: PowerSource = "auto"
     nvml_overhead: float = 1.0
 
     def validate(self) -> None:
         check_number(self.train_kw, "train_kw", minimum=0.0, inclusive=True)
         check_number(self.idle_kw, "idle_kw", minimum=0.0, inclusive=True)
+        check_number(self.released_kw, "released_kw", minimum=0.0, inclusive=True)
         if self.source not in POWER_SOURCES:
             raise ConfigError(
                 f"must be one of {', '.join(POWER_SOURCES)}, got {self.source!r}", field="source"

@@ -34,7 +34,7 @@ from greenswarm.traces.trace import Trace
 class Segments:
     """One way a site spends its time: where, at how many kW, doing how much work per second."""
 
-    kind: str  # "train", "federated", "idle"
+    kind: str  # "train", "federated", "idle", and for a releasing site "checkpoint", "released", "restart"
     intervals: np.ndarray
     kw: float
     rate: float
@@ -149,6 +149,9 @@ class SiteTotals:
     federated_s: float
     idle_s: float
     work_s: float
+    released_s: float = 0.0
+    restart_s: float = 0.0  # restarts and the checkpoints of releases, at training power
+    restarts: int = 0  # trainer starts after a release (or after a launch outside a window)
 
 
 def account(runs: list[SiteRun], trace: Trace, threshold: float) -> list[SiteTotals]:
@@ -157,10 +160,12 @@ def account(runs: list[SiteRun], trace: Trace, threshold: float) -> list[SiteTot
     out = []
     for run in runs:
         energy = grams = in_kwh = work = 0.0
-        seconds = {"train": 0.0, "federated": 0.0, "idle": 0.0}
+        seconds = dict.fromkeys(("train", "federated", "idle", "released", "restart", "checkpoint"), 0.0)
+        restarts = 0
         for seg in run.segments:
             secs = total(seg.intervals)
             seconds[seg.kind] += secs
+            restarts += len(seg.intervals) if seg.kind == "restart" else 0
             work += seg.rate * secs
             energy += seg.kw * secs / 3600.0
             grams += seg.kw / 3600.0 * float(np.sum(integrals(trace, run.region, seg.intervals)))
@@ -176,6 +181,9 @@ def account(runs: list[SiteRun], trace: Trace, threshold: float) -> list[SiteTot
                 seconds["federated"],
                 seconds["idle"],
                 work,
+                seconds["released"],
+                seconds["restart"] + seconds["checkpoint"],
+                restarts,
             )
         )
     return out

@@ -35,6 +35,8 @@ import numpy as np
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.config import ANCHOR_IDLE_KW, EnergyConfig, SchedulerConfig, check_number
+from greenswarm.scheduler.policy import HysteresisPolicy, WindowPolicy
+from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, expected_gap_s
 from greenswarm.simulation.engine import Segments, SiteRun, split_federated
 from greenswarm.simulation.intervals import as_intervals, subtract
 from greenswarm.traces.trace import Trace
@@ -95,12 +97,18 @@ def _one_of(value: str, choices: tuple[str, ...], name: str) -> None:
 
 @dataclass
 class PolicyConfig:
-    """One simulated policy: a name, a site's scheduler and energy sections, and provisioning."""
+    """One simulated policy: a name, a site's scheduler and energy sections, provisioning, and the
+    release rule for the gaps a site would otherwise hold (``provisioning.powered: always``).
+
+    ``release.mode`` defaults to ``never`` here, which is what the node does today: it keeps its
+    trainer through every gap. A policy that releases says so (``--set release.mode=auto``).
+    """
 
     name: str = "custom"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     energy: EnergyConfig = field(default_factory=lambda: EnergyConfig(source="config"))
     provisioning: ProvisioningConfig = field(default_factory=ProvisioningConfig)
+    release: ReleaseConfig = field(default_factory=lambda: ReleaseConfig(mode="never"))
 
     def describe(self) -> str:
         """One line a person can check against the paper or the site config."""
@@ -130,7 +138,21 @@ class PolicyConfig:
                 f"at {p.round_overhead_power} power"
             )
         if p.powered == "always":
-            parts.append("powered (idle) outside windows too")
+            r = self.release
+            if r.mode == "never":
+                parts.append("powered (idle) outside windows too")
+            else:
+                rule = ReleaseRule(r, e.train_kw, e.idle_kw, e.released_kw)
+                when = (
+                    "at each window's end"
+                    if r.mode == "idle"
+                    else f"by break-even ({rule.break_even_s:.0f} s, forecast {self.scheduler.forecast}, "
+                    f"trust {r.trust:g})"
+                )
+                parts.append(
+                    f"releases its GPUs {when} at {e.released_kw:g} kW, "
+                    f"restart {r.restart_s:g} s + checkpoint {r.checkpoint_s:g} s at train power"
+                )
         return ", ".join(parts)
 
 
@@ -211,15 +233,95 @@ def site_run(
         enter, leave = enter + p.enter_delay_s, np.minimum(leave + p.leave_delay_s, decide.end)
         leave = np.maximum(leave, enter)
     powered = as_intervals(np.column_stack([enter, leave]))
-    training = as_intervals(np.column_stack([enter + p.startup_s, leave]))
     startup_kw = e.train_kw if p.startup_power == "train" else e.idle_kw
     run = SiteRun(name, region)
+    end = max(start, decide.end)
+    if p.powered == "always" and policy.release.mode != "never":
+        gaps = release_gaps(decide, region, policy, enter, leave, start, end)
+        starts = enter + np.where(gaps.restarted, policy.release.restart_s, p.startup_s)
+        training = as_intervals(np.column_stack([starts, leave]))
+        restarting = as_intervals(np.column_stack([enter, starts])[gaps.restarted])
+        run.segments.append(Segments("train", training, e.train_kw, 1.0))
+        run.segments.append(Segments("restart", subtract(restarting, training), e.train_kw, 0.0))
+        run.segments.append(
+            Segments("idle", subtract(subtract(powered, training), restarting), startup_kw, 0.0)
+        )
+        run.segments.append(Segments("idle", gaps.held, e.idle_kw, 0.0))
+        run.segments.append(Segments("checkpoint", gaps.checkpoint, e.train_kw, 0.0))
+        run.segments.append(Segments("released", gaps.released, e.released_kw, 0.0))
+        return run
+    training = as_intervals(np.column_stack([enter + p.startup_s, leave]))
     run.segments.append(Segments("train", training, e.train_kw, 1.0))
     run.segments.append(Segments("idle", subtract(powered, training), startup_kw, 0.0))
     if p.powered == "always":  # waiting between windows, process and model kept
-        whole = as_intervals(np.array([[start, max(start, decide.end)]]))
+        whole = as_intervals(np.array([[start, end]]))
         run.segments.append(Segments("idle", subtract(whole, powered), e.idle_kw, 0.0))
     return run
+
+
+@dataclass
+class ReleaseGaps:
+    """How a releasing site spends the gaps between its windows: held (idle), writing the release's
+    checkpoint, released; and which windows start with a restart (a trainer started again)."""
+
+    held: np.ndarray
+    checkpoint: np.ndarray
+    released: np.ndarray
+    restarted: np.ndarray  # bool, one per window
+
+
+def enter_level(rule: WindowPolicy, trace: Trace, region: str) -> float:
+    """The intensity below which ``rule`` opens a window in ``region`` (a percentile rule's level
+    over the whole trace: a simulation's approximation of its rolling one)."""
+    if isinstance(rule, HysteresisPolicy):
+        return rule.enter_below
+    return float(rule.threshold(trace, region))  # type: ignore[attr-defined]
+
+
+def release_gaps(
+    decide: Trace,
+    region: str,
+    policy: PolicyConfig,
+    enter: np.ndarray,
+    leave: np.ndarray,
+    start: float,
+    end: float,
+) -> ReleaseGaps:
+    """Apply the node's release rule (:class:`~greenswarm.scheduler.release.ReleaseRule`) to each
+    gap between the windows ``[enter, leave)``, deciding at the gap's start with only what the site
+    knows then: its forecaster (``scheduler.forecast``) on the trace up to that instant. A site that
+    starts outside a window starts released (its agent runs; its trainer waits for the window)."""
+    e, r = policy.energy, policy.release
+    rule = ReleaseRule(r, e.train_kw, e.idle_kw, e.released_kw)
+    forecaster = policy.scheduler.deadline_forecaster() if r.mode == "auto" else None
+    level = enter_level(policy.scheduler.window_policy(), decide, region)
+    held, ckpt, released = [], [], []
+    restarted = np.zeros(len(enter), dtype=bool)
+    last = start  # the end of the last window: where the next gap starts
+    for i in range(len(enter) + 1):
+        g0, g1 = last, (enter[i] if i < len(enter) else end)
+        if i < len(enter):
+            last = max(last, leave[i])
+        if g1 <= g0:
+            continue
+        if i == 0 and g0 == start:  # launched outside a window: nothing to release
+            released.append((g0, g1))
+            restarted[0] = True
+            continue
+        hold = rule.break_even_s  # a gap no longer than the least hold is held whatever the forecast
+        if g1 - g0 > r.trust * hold or r.mode == "idle":
+            gap = None if forecaster is None else expected_gap_s(forecaster, decide, region, g0, level)
+            hold = rule.decide(gap).hold_s
+        if g0 + hold >= g1:
+            held.append((g0, g1))
+            continue
+        off = g0 + hold
+        held.append((g0, off))
+        ckpt.append((off, min(off + r.checkpoint_s, g1)))
+        released.append((min(off + r.checkpoint_s, g1), g1))
+        if i < len(enter):
+            restarted[i] = True
+    return ReleaseGaps(as_intervals(held), as_intervals(ckpt), as_intervals(released), restarted)
 
 
 def site_name(i: int, region: str) -> str:

@@ -198,6 +198,7 @@ def simulate(
         "energy_kwh": energy_kwh,
         "emissions_kg": emissions_kg,
         "in_window_share": _sum(totals, "in_window_kwh") / energy_kwh if energy_kwh else 0.0,
+        "restarts": sum(t.restarts for t in totals),
         "hours_by_sites": occupancy_hours(runs, start, end),
         "baselines": baselines,
         "baseline_ratios": {r: (emissions_kg / kg if kg else None) for r, kg in baselines.items()},
@@ -212,6 +213,9 @@ def simulate(
                 "emissions_kg": t.emissions_g / 1000.0,
                 "train_hours": (t.train_s + t.federated_s) / 3600.0,
                 "idle_hours": t.idle_s / 3600.0,
+                "released_hours": t.released_s / 3600.0,
+                "restart_hours": t.restart_s / 3600.0,
+                "restarts": t.restarts,
                 "work_site_hours": t.work_s / 3600.0,
                 "in_window_share": t.in_window_kwh / t.energy_kwh if t.energy_kwh else 0.0,
             }
@@ -262,14 +266,19 @@ def print_simulation(report: dict[str, Any]) -> None:
 
     console = wide_console()
     table = Table(title=f"{report['policy']}: {report['description']}")
-    for col in ("site", "region", "train h", "idle h", "kWh", "kgCO2", "in window"):
+    releasing = any(s.get("restarts") or s.get("released_hours") for s in report["sites"])
+    columns = ["site", "region", "train h", "idle h"]
+    columns += ["released h", "restarts"] if releasing else []
+    for col in columns + ["kWh", "kgCO2", "in window"]:
         table.add_column(col, justify="left" if col in ("site", "region") else "right")
     for s in report["sites"]:
+        extra = [f"{s['released_hours']:.2f}", str(s["restarts"])] if releasing else []
         table.add_row(
             s["name"],
             s["region"],
             f"{s['train_hours']:.2f}",
             f"{s['idle_hours']:.2f}",
+            *extra,
             f"{s['energy_kwh']:.2f}",
             f"{s['emissions_kg']:.3f}",
             f"{s['in_window_share']:.1%}",
@@ -283,7 +292,8 @@ def print_simulation(report: dict[str, Any]) -> None:
         f"hours with 0/1/2/3+ sites training: "
         f"{occ['0']:.2f} / {occ['1']:.2f} / {occ['2']:.2f} / {occ['3+']:.2f}\n"
         f"energy {report['energy_kwh']:.2f} kWh, emissions {report['emissions_kg']:.3f} kgCO2, "
-        f"{report['in_window_share']:.1%} of energy in window (< {report['threshold']:g} gCO2/kWh)",
+        f"{report['in_window_share']:.1%} of energy in window (< {report['threshold']:g} gCO2/kWh)"
+        + (f", {report['restarts']} trainer restarts" if releasing else ""),
         highlight=False,
     )
     yard = Table(title="at equal work")
