@@ -41,7 +41,13 @@ def test_ledger_totals_across_states_and_samples():
     assert ledger.energy_kwh == pytest.approx(2.0 * 1.0 + 0.5 * 0.5 + 2.0 * 0.5)
     expected_g = 2.0 * (0.5 * 50 + 0.5 * 200) + 0.5 * 0.5 * 200 + 2.0 * 0.5 * 10
     assert ledger.emissions_g == pytest.approx(expected_g)
-    assert ledger.seconds == {"IDLE": 1800.0, "SOLO": 1800.0, "FEDERATED": 3600.0}
+    assert ledger.seconds == {
+        "IDLE": 1800.0,
+        "SOLO": 1800.0,
+        "FEDERATED": 3600.0,
+        "RELEASED": 0.0,
+        "RESTARTING": 0.0,
+    }
 
 
 def test_ledger_ignores_time_going_backwards():
@@ -160,6 +166,18 @@ def test_nvml_source_without_nvml_is_a_one_line_error():
     assert "set energy.source to config" in message
 
 
+def test_released_time_is_booked_at_the_released_draw_and_never_metered():
+    """A released site has no process of its own reading a meter: its draw is ``released_kw``; its
+    restart is booked at training power (or what the meter reads while the trainer starts)."""
+    power = PowerModel(train_kw=2.0, idle_kw=0.5, meter=lambda: 3.0, released_kw=0.1)
+    ledger = EnergyLedger(HOURLY, "R", power, start=0.0)
+    ledger.advance(3600.0, SiteState.RELEASED)  # 0.1 kW x 1 h at 50 g/kWh
+    ledger.advance(5400.0, SiteState.RESTARTING)  # metered 3 kW x 0.5 h at 200
+    assert ledger.kwh["RELEASED"] == pytest.approx(0.1) and ledger.grams["RELEASED"] == pytest.approx(5.0)
+    assert ledger.kwh["RESTARTING"] == pytest.approx(1.5)
+    assert make_power_model(EnergyConfig(source="config", released_kw=0.2)).kw(SiteState.RELEASED) == 0.2
+
+
 def test_make_power_model_validates_the_config():
     with pytest.raises(ConfigError, match=r"energy\.source: must be one of auto, config, nvml, got 'gpu'"):
         make_power_model(EnergyConfig(source="gpu"))
@@ -174,7 +192,9 @@ def test_a_meter_sets_the_draw_in_every_state():
     ledger.advance(7200.0, SiteState.FEDERATED)  # 1 kW x 0.5 h at 200 g/kWh
     assert ledger.energy_kwh == pytest.approx(3.0 + 0.2 + 0.5)
     assert ledger.emissions_g == pytest.approx(150.0 + 0.4 * 0.5 * 200.0 + 0.5 * 200.0)
-    assert ledger.kwh == pytest.approx({"SOLO": 3.0, "IDLE": 0.2, "FEDERATED": 0.5})
+    assert ledger.kwh == pytest.approx(
+        {"SOLO": 3.0, "IDLE": 0.2, "FEDERATED": 0.5, "RELEASED": 0.0, "RESTARTING": 0.0}
+    )
     configured = EnergyLedger(HOURLY, "R", PowerModel(train_kw=2.0, idle_kw=0.5), start=0.0)
     configured.advance(3600.0, SiteState.SOLO)
     assert configured.energy_kwh == pytest.approx(2.0)

@@ -215,7 +215,7 @@ def test_a_sites_metrics_are_its_own_counters(tmp_path: Path) -> None:
             (("peer_id", ME), ("region", "A"), ("site", "site-a"), ("swarm", "greenswarm")),
         )
     ]
-    assert [value(got, "greenswarm_state", state=s.value) for s in SiteState] == [0, 1, 0]
+    assert [value(got, "greenswarm_state", state=s.value) for s in SiteState] == [0, 1, 0, 0, 0]
     # training, as SiteStats holds it
     assert got["types"]["greenswarm_tokens"] == "counter"
     assert value(got, "greenswarm_tokens_total") == node.stats.tokens == 512

@@ -21,6 +21,7 @@ from greenswarm.node.data import DataConfig
 from greenswarm.node.evaluation import EvalConfig
 from greenswarm.node.model import ModelConfig
 from greenswarm.scheduler.config import EnergyConfig, SchedulerConfig
+from greenswarm.scheduler.release import ReleaseConfig
 from greenswarm.timefmt import parse_instant
 from greenswarm.traces import Trace, load_trace
 
@@ -238,6 +239,9 @@ class SiteConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: whether the site ends its trainer between windows (docs/release.md); ``never`` by default
+    #: until the agent that keeps the site in the swarm meanwhile is built (issue 41)
+    release: ReleaseConfig = field(default_factory=lambda: ReleaseConfig(mode="never"))
 
     def validate(self) -> None:
         if not _SITE_RE.match(self.name):

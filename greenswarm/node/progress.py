@@ -67,7 +67,8 @@ class ProgressRecord:
 
     @property
     def in_window(self) -> bool:
-        return self.state != "IDLE"
+        """Training now (a restarting site trains once it has caught up; it is no partner yet)."""
+        return self.state in ("SOLO", "FEDERATED")
 
 
 def record_validators(swarm: str, admission: Admission | None = None, seed: bytes | None = None) -> list[Any]:

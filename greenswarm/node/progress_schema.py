@@ -26,7 +26,7 @@ class PlanModel(pyd.BaseModel):
 class RecordModel(pyd.BaseModel):
     site: pyd.StrictStr
     region: pyd.StrictStr
-    state: pyd.constr(strict=True, regex=r"^(IDLE|SOLO|FEDERATED)$")  # type: ignore[valid-type]
+    state: pyd.constr(strict=True, regex=r"^(IDLE|SOLO|FEDERATED|RELEASED|RESTARTING)$")  # type: ignore[valid-type]
     peer_id: pyd.StrictStr
     outer_round: pyd.conint(strict=True, ge=0)  # type: ignore[valid-type]
     lineage: pyd.StrictStr

@@ -20,7 +20,13 @@ from greenswarm.node.shards_view import (
 )
 from greenswarm.timefmt import utc_short
 
-STATE_STYLE = {"IDLE": "dim", "SOLO": "yellow", "FEDERATED": "bold green"}
+STATE_STYLE = {
+    "IDLE": "dim",
+    "RELEASED": "blue",
+    "RESTARTING": "magenta",
+    "SOLO": "yellow",
+    "FEDERATED": "bold green",
+}
 
 
 def progress_table(records: Sequence[ProgressRecord], title: str = "") -> Table:

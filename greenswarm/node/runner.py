@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.network import check_peers
@@ -27,7 +28,10 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
     if cfg.node.restart == "never":
         return _run_site(cfg, config)
 
+    from greenswarm.node.releasing import wait_for_window
     from greenswarm.node.supervisor import supervise
+
+    pin_replay_start(cfg)
 
     def node() -> int:
         try:
@@ -38,14 +42,30 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         except KeyboardInterrupt:
             return 130
 
-    return supervise(node, cfg.node.max_restarts, cfg.node.restart_window_s, preload=lambda: _preload(cfg))
+    return supervise(
+        node,
+        cfg.node.max_restarts,
+        cfg.node.restart_window_s,
+        preload=lambda: _preload(cfg),
+        released=lambda stopped: wait_for_window(cfg, stopped, log),
+    )
+
+
+def pin_replay_start(cfg: SiteConfig) -> None:
+    """A replay that starts "now" (no ``start_wall``, no ``start_file``) starts when the supervisor
+    does, once: every node it forks -- after a crash or a release -- goes on with the same clock
+    instead of replaying the trace from its start again."""
+    clock = cfg.scheduler.clock
+    if clock.kind == "replay" and clock.start_wall is None and clock.start_file is None:
+        clock.start_wall = time.time()
 
 
 def _run_site(cfg: SiteConfig, config: str, supervised: bool = False) -> int:
+    from greenswarm.node.releasing import RELEASED_EXIT
     from greenswarm.node.site import SiteNode
 
     try:
-        node = SiteNode(cfg)
+        node = SiteNode(cfg, supervised=supervised)
     except ConfigError as e:  # checks that need the trace (the region) still point at the config file
         raise e.located(where=e.where or config) from None
     on_termination(node.request_stop)
@@ -55,6 +75,8 @@ def _run_site(cfg: SiteConfig, config: str, supervised: bool = False) -> int:
         summary = node.run()
     finally:
         reap_children()
+    if node.releaser.released:
+        return RELEASED_EXIT
     if summary is not None:
         print(json.dumps(summary), flush=True)
     return 0

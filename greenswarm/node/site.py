@@ -39,6 +39,7 @@ from greenswarm.node.history import History
 from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
 from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
 from greenswarm.node.ranks import SiteRanks
+from greenswarm.node.releasing import Releaser
 from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.shard_claims import ShardClaims, claimable_shards
@@ -60,6 +61,7 @@ from greenswarm.security.certificates import CertificateError
 from greenswarm.timefmt import parse_instant, utc_minute
 
 IDLE, SOLO, FEDERATED = SiteState.IDLE, SiteState.SOLO, SiteState.FEDERATED
+RELEASED, RESTARTING = SiteState.RELEASED, SiteState.RESTARTING
 #: how long a stopping node waits for a held-out measurement under way before its own last one
 FINAL_EVAL_WAIT_S = 300.0
 
@@ -67,7 +69,7 @@ FINAL_EVAL_WAIT_S = 300.0
 class SiteNode:
     """One site of the swarm (all of its ranks)."""
 
-    def __init__(self, cfg: SiteConfig, world: World | None = None):
+    def __init__(self, cfg: SiteConfig, world: World | None = None, supervised: bool = False):
         self.cfg = cfg
         self.world = world or World.from_environment(cfg.train.device)
         self.log = logging.getLogger(f"greenswarm.site.{cfg.name}")
@@ -83,6 +85,11 @@ class SiteNode:
         signal = self.schedule.trace if static else lambda: self.schedule.trace
         self.ledger = EnergyLedger(signal, cfg.region, power, start=self.clock.now())
         self.stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
+        self.releaser = Releaser(
+            cfg, self.schedule, self.clock, self.ledger, self.log,
+            world_size=self.world.world_size, supervised=supervised,
+        )  # fmt: skip
+        self._releasing = False  # the loop ended for a release
         self.faults = FaultPlan.from_env()
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
@@ -130,6 +137,9 @@ class SiteNode:
             self._start()
             if self._replay_started():
                 self._loop()
+            if self._releasing and not self._stop.is_set():
+                self._release()  # the trainer ends; the supervisor starts it again at the next window
+                return None
             summary = self._finish()
             if (why := self._revoked()) is not None:  # (its last checkpoint and summary are written)
                 raise CertificateError(
@@ -160,6 +170,9 @@ class SiteNode:
                 self.log.info("the deadline plan's work is done: stopping")
                 break
             if state is IDLE:
+                if self.releaser.due(now):
+                    self._releasing = True
+                    break
                 self._sleep_until_window(now)
             else:
                 self._train_step()
@@ -184,17 +197,20 @@ class SiteNode:
             old, self.state = self.state, new
             log_transition(self, old, now)
             # (the change's own point, before a catch-up or the last round adds theirs)
-            late_s = noticed_late_s(now, old is IDLE, window, self._window, self.schedule.end)
+            entering = old in (IDLE, RESTARTING)
+            late_s = noticed_late_s(now, entering, window, self._window, self.schedule.end)
             self.history.maybe_write(self, force=True, late_s=late_s)
             if new is IDLE:
                 self._finish_round()  # leaving the window: the round in flight ends first
-            if old is IDLE:
+            if entering and new is not IDLE:
+                self.releaser.cancel()
                 self._slot = self._slot_of(now)  # the first round ends at the next boundary
                 self._catch_up(in_window_only=False)
             elif new is IDLE and old is SOLO and self.stats.tokens_since_sync:
                 self._end_round(SOLO)  # the only site in a window: bank its progress as it leaves
             if new is IDLE:
                 self._save_and_release("its window closed")
+                self.releaser.plan(now)
             self._report(force=True)
         self._window = window
         return self.state
@@ -211,6 +227,8 @@ class SiteNode:
             self.shards.after_step(step.data)
         self._step_s.append(time.monotonic() - began)
         self.round_handler.step_taken()
+        if self.releaser.restart is not None:
+            self.releaser.first_step(self.clock.now())
         if self.stats.first_step_s is None:
             self.stats.first_step_s = time.monotonic() - self.started
             self.log.info("first training step %.1f s after start", self.stats.first_step_s)
@@ -458,7 +476,9 @@ class SiteNode:
         # (the metrics count from the restored totals: a restarted site's counters start at 0)
         with self.metrics.restoring() if self.metrics is not None else contextlib.nullcontext():
             resumed = self.checkpoints.resume()
-        if resumed and (gap := self.ledger.skip_to(self.clock.now())) > 0:
+        if resumed and self.releaser.resume(self.clock.now(), self.checkpoints.state_digest):
+            self.state = RESTARTING  # (booked at training power until its first decision)
+        elif resumed and (gap := self.ledger.skip_to(self.clock.now())) > 0:
             self.log.info(
                 "energy: not booking the %.1f h between the checkpoint and this start (the site's draw "
                 "then is unknown)",
@@ -555,7 +575,12 @@ class SiteNode:
         if self.shards is not None and self.shards.held:
             self._save_and_release("outside its window")
         nxt = self.schedule.next_window(now)
-        target = min(nxt.start if nxt else self.schedule.end, now + self.cfg.scheduler.poll_s, self.stop_at)
+        target = min(
+            nxt.start if nxt else self.schedule.end,
+            now + self.cfg.scheduler.poll_s,
+            self.stop_at,
+            self.releaser.release_at,
+        )
         self.clock.sleep_until(target, max_wall_s=self.cfg.node.idle_wall_s)
         self.ranks.idle()  # keeps follower ranks' collectives from timing out during long idles
 
@@ -598,6 +623,26 @@ class SiteNode:
         self._report(force=True)
         self.swarm.publisher.flush()
         return write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")
+
+    def _release(self) -> None:
+        """End the trainer for the gap: book the wait, write a checkpoint (ledger included), let the
+        shards go, publish the last record, leave the marker the supervisor and the next start read."""
+        now = self.clock.now()
+        self._finish_round()
+        self.ledger.advance(now, self.state)
+        began = time.monotonic()
+        self.checkpoints.save()
+        if self.shards is not None:
+            self.shards.release_all("its trainer is released")
+        checkpoint_s = time.monotonic() - began
+        digest = self.checkpoints.state_digest()
+        self._report(force=True)
+        self.swarm.publisher.flush()
+        write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")  # (the run so far)
+        self.releaser.release(now, checkpoint_s, digest)
+        old, self.state = self.state, RELEASED
+        self.history.maybe_write(self, force=True)
+        log_transition(self, old, now)
 
     def _close(self) -> None:
         if isinstance(self.schedule, LiveSchedule | DeadlineSchedule):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from greenswarm.digests import content_digest
 from greenswarm.errors import GreenswarmError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.checkpoint import Checkpointer
@@ -187,6 +188,16 @@ class SiteCheckpoints:
             **({"shards": self.shards.state_dict()} if self.shards is not None else {}),
             "layout": self.layout,  # what the global state holds (train.optimizer, train.sf_z)
         }
+
+    def state_digest(self) -> str:
+        """A digest of everything a checkpoint restores but the energy ledger (which books the time
+        between a save and a load) and the shard claims (the swarm's leases, taken again after a
+        start; the readers' positions are the trainer's): equal before a release and after the
+        restart it ends with."""
+        payload = self._payload()
+        payload.pop("ledger")
+        payload.pop("shards", None)
+        return content_digest(payload)
 
     def _keep_global(self, outer_round: int, lineage: str, params: torch.Tensor) -> None:
         """Keep outer step ``outer_round``'s global model (``params``) if ``node.keep_globals`` asks

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from greenswarm.hivemind_internals import fresh_future_locks
+from greenswarm.node.releasing import RELEASED_EXIT
 from greenswarm.procs import reap_children
 
 log = logging.getLogger("greenswarm.supervisor")
@@ -50,11 +51,15 @@ def supervise(
     max_restarts: int,
     window_s: float,
     preload: Callable[[], Any] | None = None,
+    released: Callable[[Callable[[], bool]], bool] | None = None,
 ) -> int:
     """Run ``run_node`` in a forked child and fork a new one whenever it dies by a signal.
 
     ``preload`` runs once, here, before the first fork (imports); it must not start threads, which
-    a fork would not carry over.
+    a fork would not carry over. A node that exits with
+    :data:`~greenswarm.node.releasing.RELEASED_EXIT` ended its trainer for a gap between windows:
+    ``released`` (given a function that says whether a stop was asked for) waits here, holding no
+    model, until the next window (True: fork the node again) or the end (False: exit 0).
     """
     if preload is not None:
         preload()
@@ -93,8 +98,14 @@ def supervise(
             signal.signal(sig, handler)
         reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
         _collect_exited()
+        child = 0  # (a stop signal from here on has no node to go to)
         if os.WIFEXITED(status):
-            return os.WEXITSTATUS(status)
+            code = os.WEXITSTATUS(status)
+            if code == RELEASED_EXIT and released is not None and not stopping:
+                if _while_released(released, stopping):
+                    continue
+                return 128 + stopping[0] if stopping else 0
+            return code
         signum = os.WTERMSIG(status)
         if stopping:  # we were asked to stop and passed it on: the node is gone, so are we
             return 128 + stopping[0]
@@ -115,6 +126,20 @@ def supervise(
             max_restarts,
             window_s,
         )
+
+
+def _while_released(released: Callable[[Callable[[], bool]], bool], stopping: list[int]) -> bool:
+    """Wait out a release (see :func:`supervise`) with the stop signals noted, not fatal."""
+
+    def note(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    try:
+        return released(lambda: bool(stopping)) and not stopping
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _collect_exited() -> None:

@@ -18,8 +18,14 @@ from greenswarm.report.runs import SiteRun
 from greenswarm.scheduler.windows_report import draw_intensity, to_dates, utc_time_axis
 
 #: colours of the states behind each site's intensity
-STATE_COLOURS = {"IDLE": "#bdbdbd", "SOLO": "tab:orange", "FEDERATED": "tab:green"}
-STATE_ALPHA = {"IDLE": 0.18, "SOLO": 0.3, "FEDERATED": 0.3}
+STATE_COLOURS = {
+    "IDLE": "#bdbdbd",
+    "RELEASED": "tab:blue",
+    "RESTARTING": "tab:purple",
+    "SOLO": "tab:orange",
+    "FEDERATED": "tab:green",
+}
+STATE_ALPHA = {"IDLE": 0.18, "RELEASED": 0.08, "RESTARTING": 0.3, "SOLO": 0.3, "FEDERATED": 0.3}
 #: how each round's outcome is marked at its site: (marker, colour, label)
 ACTIONS = {
     "apply": ("o", "tab:green", "averaged (apply)"),

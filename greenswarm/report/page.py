@@ -222,6 +222,8 @@ def rounds_section(runs: list[SiteRun], image: bytes | None) -> Section:
     return Section("rounds", SECTIONS[3][1], "".join(parts))
 
 
+#: the states whose hours the totals table shows (a restart's are in its energy, not here)
+HOUR_STATES = ("IDLE", "RELEASED", "SOLO", "FEDERATED")
 COUNTS = ("outer_round", "federated_rounds", "solo_rounds", "failed_rounds")
 SUMS = ("tokens", "energy_kwh", "training_g", "idle_g", "emissions_g", "at_once_g")
 
@@ -234,9 +236,7 @@ def site_totals(run: SiteRun) -> dict[str, Any]:
     return {
         "site": run.label,
         "region": run.region,
-        "hours": {s: seconds.get(s, 0.0) / 3600.0 for s in ("IDLE", "SOLO", "FEDERATED")}
-        if seconds
-        else None,
+        "hours": {s: seconds.get(s, 0.0) / 3600.0 for s in HOUR_STATES} if seconds else None,
         **{key: run.total(key) for key in COUNTS},
         "tokens": run.total("tokens"),
         "first_loss": (run.summary or {}).get("first_loss"),
@@ -262,7 +262,7 @@ def swarm_totals(sites: list[dict[str, Any]]) -> dict[str, Any]:
     out["outer_round"] = None  # (steps of one global model, not a quantity to add)
     hours = [s["hours"] for s in sites]
     if hours and all(h is not None for h in hours):
-        out["hours"] = {k: sum(h[k] for h in hours) for k in ("IDLE", "SOLO", "FEDERATED")}
+        out["hours"] = {k: sum(h[k] for h in hours) for k in HOUR_STATES}
     training, at_once = out["training_g"], out["at_once_g"]
     out["training_vs_at_once"] = training / at_once if training is not None and at_once else None
     return out
@@ -276,7 +276,7 @@ def _totals_row(d: dict[str, Any]) -> list[str]:
     return [
         escape(d["site"]),
         escape(d["region"]),
-        " / ".join(_num(hours[s], ".1f") for s in ("IDLE", "SOLO", "FEDERATED")) if hours else "-",
+        " / ".join(_num(hours[s], ".1f") for s in HOUR_STATES) if hours else "-",
         _num(d["outer_round"], "d"),
         " / ".join(_num(d[k], "d") for k in ("federated_rounds", "solo_rounds", "failed_rounds")),
         _num(d["tokens"]),
@@ -297,7 +297,7 @@ def totals_section(runs: list[SiteRun]) -> tuple[Section, list[dict[str, Any]]]:
     headers = [
         "site",
         "region",
-        "hours idle / solo / fed.",
+        "hours idle / released / solo / fed.",
         "outer steps",
         "rounds fed. / solo / failed",
         "tokens",

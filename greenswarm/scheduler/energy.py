@@ -40,8 +40,11 @@ class PowerModel:
     train_kw: float
     idle_kw: float = 0.0
     meter: Meter | None = None
+    released_kw: float = 0.0
 
     def kw(self, state: SiteState) -> float:
+        if state == SiteState.RELEASED:  # (no process of the site's reads a meter then)
+            return self.released_kw
         if self.meter is not None:
             return float(self.meter())
         return self.idle_kw if state == SiteState.IDLE else self.train_kw
@@ -168,7 +171,7 @@ def make_power_model(cfg: EnergyConfig, *, on_gpu: bool = True) -> PowerModel:
             meter.overhead,
             meter.last_kw,
         )
-    return PowerModel(cfg.train_kw, cfg.idle_kw, meter)
+    return PowerModel(cfg.train_kw, cfg.idle_kw, meter, cfg.released_kw)
 
 
 class EnergyLedger:

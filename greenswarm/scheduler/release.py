@@ -47,6 +47,7 @@ import numpy as np
 from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.forecast import Forecaster
+from greenswarm.scheduler.policy import HysteresisPolicy, WindowPolicy
 from greenswarm.traces.trace import Trace
 
 ReleaseMode = Literal["never", "idle", "auto"]
@@ -161,6 +162,14 @@ class ReleaseRule:
 
 def _hours(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 3600 else f"{seconds / 3600.0:.1f} h"
+
+
+def enter_level(rule: WindowPolicy, trace: Trace, region: str) -> float:
+    """The intensity below which ``rule`` opens a window in ``region`` (a percentile rule's level
+    over the whole trace: an approximation of its rolling one)."""
+    if isinstance(rule, HysteresisPolicy):
+        return rule.enter_below
+    return float(rule.threshold(trace, region))  # type: ignore[attr-defined]
 
 
 def expected_gap_s(

@@ -6,12 +6,21 @@ from enum import StrEnum
 
 
 class SiteState(StrEnum):
-    """IDLE: outside a window, no training, GPUs released. SOLO: in a window with no other site in one,
-    train locally and keep outer state. FEDERATED: in a window with others, train and average."""
+    """IDLE: outside a window, no training, the trainer held (process, model and optimizer kept).
+    SOLO: in a window with no other site in one, train locally and keep outer state. FEDERATED: in a
+    window with others, train and average. RELEASED: outside a window with the trainer ended after a
+    checkpoint, its GPUs given back (:mod:`greenswarm.scheduler.release`). RESTARTING: the trainer
+    starting again after a release, until its first decision, at training power."""
 
     IDLE = "IDLE"
     SOLO = "SOLO"
     FEDERATED = "FEDERATED"
+    RELEASED = "RELEASED"
+    RESTARTING = "RESTARTING"
+
+
+#: the states in which a site trains
+TRAINING_STATES = (SiteState.SOLO, SiteState.FEDERATED)
 
 
 def decide_state(in_window: bool, others_in_window: int) -> SiteState:

@@ -35,8 +35,7 @@ import numpy as np
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.config import ANCHOR_IDLE_KW, EnergyConfig, SchedulerConfig, check_number
-from greenswarm.scheduler.policy import HysteresisPolicy, WindowPolicy
-from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, expected_gap_s
+from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, enter_level, expected_gap_s
 from greenswarm.simulation.engine import Segments, SiteRun, split_federated
 from greenswarm.simulation.intervals import as_intervals, subtract
 from greenswarm.traces.trace import Trace
@@ -268,14 +267,6 @@ class ReleaseGaps:
     checkpoint: np.ndarray
     released: np.ndarray
     restarted: np.ndarray  # bool, one per window
-
-
-def enter_level(rule: WindowPolicy, trace: Trace, region: str) -> float:
-    """The intensity below which ``rule`` opens a window in ``region`` (a percentile rule's level
-    over the whole trace: a simulation's approximation of its rolling one)."""
-    if isinstance(rule, HysteresisPolicy):
-        return rule.enter_below
-    return float(rule.threshold(trace, region))  # type: ignore[attr-defined]
 
 
 def release_gaps(

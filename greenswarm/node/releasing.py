@@ -1,0 +1,239 @@
+"""A site that ends its trainer between windows, and the agent that starts it again.
+
+The rule for *when* is :mod:`greenswarm.scheduler.release` (shared with the simulator). This module
+is the node's side of it, in two halves:
+
+* :class:`Releaser`, in the trainer (the node process): at each window's end it plans the release
+  (the rule, fed the site's own forecast and its measured restart time, converted to clock seconds),
+  says when it is due, and when it is, the node checkpoints, leaves the swarm and exits with
+  :data:`RELEASED_EXIT` after writing ``run_dir/released.json``. When the node starts again it books
+  the released stretch (at ``energy.released_kw``) and the restart (at training power) in its ledger,
+  and journals both in ``run_dir/releases.jsonl``.
+* :func:`wait_for_window`, in the agent (the supervisor, :mod:`greenswarm.node.supervisor`, a small
+  process that holds no model): it watches the site's schedule and, when the next window opens,
+  notes the instant in ``released.json`` and forks the trainer again.
+
+What is not here yet (issue 41): the agent does not keep the site in the swarm while released (no
+progress record, no state served to sites that catch up), and a site releases only with one rank,
+a trace (not a live signal), the threshold rule (not a deadline plan) and the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from greenswarm.jsonlines import read_json_lines
+from greenswarm.private_files import write_private
+from greenswarm.scheduler.energy import EnergyLedger
+from greenswarm.scheduler.policy import WindowSchedule
+from greenswarm.scheduler.release import ReleaseDecision, ReleaseRule, enter_level, expected_gap_s
+from greenswarm.scheduler.state import SiteState
+
+if TYPE_CHECKING:
+    from greenswarm.node.config import SiteConfig
+    from greenswarm.scheduler.clock import Clock
+
+#: the node's exit status when it ended its trainer for a gap (EX_TEMPFAIL: "try again later")
+RELEASED_EXIT = 75
+MARKER = "released.json"
+JOURNAL = "releases.jsonl"
+#: the measured restarts the rule takes the median of
+RECENT_RESTARTS = 5
+
+
+def why_not_releasing(cfg: SiteConfig, schedule: object, world_size: int, supervised: bool) -> str | None:
+    """Why this site keeps its trainer through every gap whatever ``release.mode`` says, or None."""
+    if cfg.release.mode == "never":
+        return "release.mode is never"
+    if not supervised:
+        return "releasing needs node.restart: on-crash (the supervisor is what starts the trainer again)"
+    if world_size > 1:
+        return "a trainer of several ranks does not release yet"
+    if not isinstance(schedule, WindowSchedule):
+        return "only a site on a trace's windows releases yet (not a live signal or a deadline plan)"
+    return None
+
+
+class Releaser:
+    """Plans, triggers and books this site's releases (see the module's docstring)."""
+
+    def __init__(
+        self,
+        cfg: SiteConfig,
+        schedule: object,
+        clock: Clock,
+        ledger: EnergyLedger,
+        log: logging.Logger,
+        *,
+        world_size: int = 1,
+        supervised: bool = False,
+    ):
+        self.cfg, self.schedule, self.clock, self.ledger, self.log = cfg, schedule, clock, ledger, log
+        self.run_dir = Path(cfg.node.run_dir)
+        self.off = why_not_releasing(cfg, schedule, world_size, supervised)
+        if self.off is not None and cfg.release.mode != "never":
+            log.warning("release.mode is %s, but the site holds its trainer: %s", cfg.release.mode, self.off)
+        self.decision: ReleaseDecision | None = None
+        self.release_at = math.inf  # clock time at which the planned release is due
+        self.released = False  # the node is ending for a release
+        self.restart: dict[str, Any] | None = None  # the marker this start resumed from a release
+
+    # -------------------------------------------------------------------- in a window's gap
+
+    def rule(self) -> ReleaseRule:
+        """The rule in clock seconds: a restart of ``w`` wall seconds takes ``w x speedup`` of a
+        replay's clock (and the same ``w`` of a wall clock)."""
+        per_wall = 1.0 / self.clock.wall_seconds(1.0)
+        r, e = self.cfg.release, self.cfg.energy
+        seconds = replace(
+            r, restart_s=self.restart_wall_s() * per_wall, checkpoint_s=r.checkpoint_s * per_wall
+        )
+        return ReleaseRule(seconds, e.train_kw, e.idle_kw, e.released_kw)
+
+    def restart_wall_s(self) -> float:
+        """The median of this site's last measured restarts (window open to first step), or the
+        configured ``release.restart_s`` before any."""
+        measured = [
+            float(e["restart_wall_s"])
+            for e in read_json_lines(self.run_dir / JOURNAL)
+            if e.get("event") == "restart" and isinstance(e.get("restart_wall_s"), int | float)
+        ][-RECENT_RESTARTS:]
+        return statistics.median(measured) if measured else self.cfg.release.restart_s
+
+    def plan(self, now: float) -> None:
+        """The site has just left a window: decide how long to hold before releasing, and say why."""
+        self.release_at = math.inf
+        if self.off is not None:
+            return
+        assert isinstance(self.schedule, WindowSchedule)
+        rule = self.rule()
+        gap = None
+        if self.cfg.release.mode == "auto":
+            trace, region = self.schedule.trace, self.cfg.region
+            level = enter_level(self.cfg.scheduler.window_policy(), trace, region)
+            gap = expected_gap_s(self.cfg.scheduler.deadline_forecaster(), trace, region, now, level)
+        self.decision = rule.decide(gap)
+        self.release_at = now + self.decision.hold_s
+        self.log.info("release: %s", self.decision.reason)
+
+    def cancel(self) -> None:
+        """The site is in a window again before its release was due."""
+        self.release_at = math.inf
+
+    def due(self, now: float) -> bool:
+        return now >= self.release_at
+
+    def release(self, now: float, checkpoint_wall_s: float, state_digest: str) -> None:
+        """The node has checkpointed and left the swarm: leave the marker the agent and the next
+        start read, and the journal's line. ``state_digest``: what the checkpoint restores."""
+        decision = self.decision
+        entry = {
+            "state_digest": state_digest,
+            "event": "release",
+            "clock": now,
+            "wall": time.time(),
+            "reason": decision.reason if decision else "",
+            "hold_s": decision.hold_s if decision else 0.0,
+            "expected_gap_s": decision.expected_gap_s if decision else None,
+            "checkpoint_wall_s": checkpoint_wall_s,
+        }
+        write_private(self.run_dir / MARKER, json.dumps(entry).encode())
+        _append(self.run_dir / JOURNAL, entry)
+        self.released = True
+        self.log.info(
+            "release: the trainer ends (checkpoint written in %.1f s; %s)", checkpoint_wall_s, entry["reason"]
+        )
+
+    # -------------------------------------------------------------------- starting again
+
+    def resume(self, now: float, state_digest: Callable[[], str]) -> bool:
+        """At start, after the checkpoint was loaded: if the site was released, book the released
+        stretch up to the agent's restart and the restart since at training power, and check that
+        the state restored is the state released (``state_digest``); whether it was released."""
+        marker = self.run_dir / MARKER
+        try:
+            entry = json.loads(marker.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+        marker.unlink(missing_ok=True)
+        restart_at = float(entry.get("restart_clock", now))
+        self.ledger.advance(min(restart_at, now), SiteState.RELEASED)
+        self.ledger.advance(now, SiteState.RESTARTING)
+        entry["state_digest_after"] = after = state_digest()
+        if after != entry.get("state_digest"):
+            self.log.warning(
+                "release: the state restored (%s) is not the state released (%s): a checkpoint was "
+                "lost or replaced in between; training goes on from what was restored",
+                after,
+                entry.get("state_digest"),
+            )
+        self.restart = entry
+        return True
+
+    def first_step(self, now: float) -> None:
+        """The restarted trainer took its first step: journal how long the restart took."""
+        if self.restart is None:
+            return
+        entry, self.restart = self.restart, None
+        began = float(entry.get("restart_wall", time.time()))
+        seconds = time.time() - began
+        released_s = float(entry.get("restart_clock", now)) - float(entry.get("clock", now))
+        _append(
+            self.run_dir / JOURNAL,
+            {
+                "event": "restart",
+                "clock": now,
+                "released_s": released_s,
+                "restart_wall_s": seconds,
+                "state_digest": entry.get("state_digest"),
+                "state_digest_after": entry.get("state_digest_after"),
+            },
+        )
+        self.log.info(
+            "RELEASED -> training again: %.1f s from the window's opening to the first step "
+            "(released for %.1f clock h)",
+            seconds,
+            released_s / 3600.0,
+        )
+
+
+def _append(path: Path, entry: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.Logger) -> bool:
+    """In the agent, while the site is released: wait for its next window (True: start the trainer
+    again), or for a stop, the trace's end or ``node.stop_at`` (False). Reads the same schedule and
+    clock as the node (a replay's ``start_wall`` is pinned before the first fork)."""
+    from greenswarm.scheduler.site_schedule import site_schedule
+    from greenswarm.timefmt import parse_instant, utc_minute
+
+    schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+    stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
+    marker = Path(cfg.node.run_dir) / MARKER
+    while not stopped():
+        now = clock.now()
+        if (cfg.node.stop_at_trace_end and now >= schedule.end) or now >= stop_at:
+            return False
+        if schedule.in_window(now):
+            try:
+                entry = json.loads(marker.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                entry = {}
+            entry.update(restart_clock=now, restart_wall=time.time())
+            write_private(marker, json.dumps(entry).encode())
+            log.info("window opens (%s): starting the trainer again", utc_minute(now))
+            return True
+        nxt = schedule.next_window(now)
+        target = min(nxt.start if nxt else schedule.end, now + cfg.scheduler.poll_s, stop_at)
+        clock.sleep_until(target, max_wall_s=cfg.node.idle_wall_s)
+    return False
