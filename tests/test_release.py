@@ -7,6 +7,7 @@ for ever (it held through all of it before releasing).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import pytest
 
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
+from greenswarm.jsonlines import read_json_lines
 from greenswarm.scheduler.forecast import OracleForecaster, PersistenceForecaster
 from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, expected_gap_s
+from greenswarm.scheduler.state import SiteState
 from greenswarm.simulation.policies import PolicyConfig, load_policy
 from greenswarm.simulation.report import simulate
 from greenswarm.traces.trace import Trace
@@ -191,3 +194,94 @@ def test_the_anchor_case_releasing_is_near_the_threshold_ideal() -> None:
     assert rep["finished"] is True and rep["restarts"] >= 3
     assert rep["emissions_kg"] <= anchor["emissions_kg"]
     assert rep["emissions_kg"] <= 1.05 * rep["ideal_kg"]
+
+
+# --- the node's releaser, in-process --------------------------------------------------------------------
+
+
+def releaser(tmp_path: Path, mode: str, *sets: str, speedup: float = 1.0):
+    """A :class:`Releaser` for one site on CLEAN_DIRTY's trace, its ledger and its run directory."""
+    import logging
+
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.releasing import Releaser
+    from greenswarm.scheduler.clock import ScaledClock
+    from greenswarm.scheduler.energy import EnergyLedger, PowerModel
+    from greenswarm.scheduler.policy import WindowSchedule
+    from tests.conftest import write_trace
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    trace_path = write_trace(tmp_path / "t.csv", {"A": [50, 50, 200, 200, 50, 200]}, step_s=3600)
+    cfg = load_site_config(
+        None,
+        ["name=s", "region=A", f"scheduler.trace={trace_path}", f"node.run_dir={tmp_path / 'run'}",
+         f"release.mode={mode}", "scheduler.forecast=persistence", *sets],
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    trace = cfg.load_trace()
+    schedule = WindowSchedule(trace, "A", cfg.scheduler.window_policy())
+    clock = ScaledClock(trace.start, speedup, 0.0)
+    ledger = EnergyLedger(trace, "A", PowerModel(2.024, 0.468), start=trace.start)
+    log = logging.getLogger("test.release")
+    return Releaser(cfg, schedule, clock, ledger, log, supervised=True), ledger
+
+
+def test_the_node_plans_by_the_rule_in_clock_seconds(tmp_path: Path) -> None:
+    """The rule's restart is wall seconds; a replay at 600x makes each of them 600 clock seconds."""
+    r, _ = releaser(tmp_path / "a", "auto")
+    b = r.rule().break_even_s
+    assert b == pytest.approx(35 * 2.024 / 0.468)
+    r.plan(T0 + 2 * H)  # the first window has just closed; persistence: dirty for ever
+    assert r.release_at == pytest.approx(T0 + 2 * H + 0.5 * b) and r.decision.expected_gap_s == 48 * H
+    assert not r.due(T0 + 2 * H + 0.4 * b) and r.due(T0 + 2 * H + 0.5 * b)
+    r.cancel()  # a window opened again first: no release (a gap shorter than the hold)
+    assert not r.due(T0 + 3 * H)
+    fast, _ = releaser(tmp_path / "b", "auto", speedup=600.0)
+    assert fast.rule().break_even_s == pytest.approx(600 * b)
+
+
+def test_the_measured_restart_replaces_the_assumed_one(tmp_path: Path) -> None:
+    r, _ = releaser(tmp_path, "auto")
+    assert r.restart_wall_s() == 30.0
+    lines = [{"event": "restart", "restart_wall_s": s} for s in (1.0, 9.0, 2.0)] + [{"event": "release"}]
+    (r.run_dir / "releases.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert r.restart_wall_s() == 2.0
+
+
+def test_a_site_that_cannot_release_says_why(tmp_path: Path) -> None:
+    from greenswarm.node.releasing import why_not_releasing
+
+    r, _ = releaser(tmp_path, "idle")
+    cfg, schedule = r.cfg, r.schedule
+    assert why_not_releasing(cfg, schedule, 1, True) is None
+    assert "node.restart" in why_not_releasing(cfg, schedule, 1, False)
+    assert "several ranks" in why_not_releasing(cfg, schedule, 2, True)
+    assert "live signal" in why_not_releasing(cfg, object(), 1, True)
+    r.off = "x"
+    r.plan(T0 + 2 * H)
+    assert r.release_at == math.inf
+
+
+def test_a_restart_books_released_and_restarting_and_checks_the_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    r, ledger = releaser(tmp_path, "idle")
+    ledger.advance(T0 + 2 * H, SiteState.SOLO)
+    r.plan(T0 + 2 * H)
+    r.release(T0 + 2 * H, 0.5, "abc")
+    marker = r.run_dir / "released.json"
+    entry = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**entry, "restart_clock": T0 + 4 * H, "restart_wall": 0.0}))
+    assert r.resume(T0 + 4 * H + 60, lambda: "abc")
+    assert ledger.seconds["RELEASED"] == pytest.approx(2 * H) and ledger.kwh["RELEASED"] == 0.0
+    assert ledger.seconds["RESTARTING"] == pytest.approx(60)
+    assert marker.exists()  # until the first step: a trainer killed while starting starts again
+    r.first_step(T0 + 4 * H + 61)
+    assert not marker.exists()
+    restart = [e for e in read_json_lines(r.run_dir / "releases.jsonl") if e["event"] == "restart"]
+    assert restart[0]["state_digest"] == restart[0]["state_digest_after"] == "abc"
+    # a checkpoint replaced in between: the site goes on, and says so
+    r.release(T0 + 5 * H, 0.5, "abc")
+    with caplog.at_level("WARNING"):
+        assert r.resume(T0 + 5 * H + 10, lambda: "xyz")
+    assert "is not the state released" in caplog.text

@@ -37,6 +37,7 @@ class Checkpointer:
         self.path = self.directory / "checkpoint.pt"
         self.previous = self.directory / "checkpoint.prev.pt"
         self.pending = self.directory / "checkpoint.pt.tmp"  # a save in progress
+        self.loaded: Path | None = None  # the file the last load read
         self._faults = faults or FaultPlan()
 
     def save(self, payload: dict[str, Any]) -> Path:
@@ -82,6 +83,7 @@ class Checkpointer:
                     log.warning("using %s: a save was interrupted after it was written", path)
                 elif path == self.previous and self.path.exists():
                     log.warning("using the previous checkpoint %s instead", path)
+                self.loaded = path
                 return content
         return None
 

@@ -116,10 +116,11 @@ class Releaser:
         assert isinstance(self.schedule, WindowSchedule)
         rule = self.rule()
         gap = None
-        if self.cfg.release.mode == "auto":
+        forecaster = self.cfg.scheduler.deadline_forecaster()
+        if self.cfg.release.mode == "auto" and getattr(forecaster, "past_only", True):
             trace, region = self.schedule.trace, self.cfg.region
             level = enter_level(self.cfg.scheduler.window_policy(), trace, region)
-            gap = expected_gap_s(self.cfg.scheduler.deadline_forecaster(), trace, region, now, level)
+            gap = expected_gap_s(forecaster, trace, region, now, level)
         self.decision = rule.decide(gap)
         self.release_at = now + self.decision.hold_s
         self.log.info("release: %s", self.decision.reason)
@@ -163,7 +164,6 @@ class Releaser:
             entry = json.loads(marker.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return False
-        marker.unlink(missing_ok=True)
         restart_at = float(entry.get("restart_clock", now))
         self.ledger.advance(min(restart_at, now), SiteState.RELEASED)
         self.ledger.advance(now, SiteState.RESTARTING)
@@ -179,10 +179,12 @@ class Releaser:
         return True
 
     def first_step(self, now: float) -> None:
-        """The restarted trainer took its first step: journal how long the restart took."""
+        """The restarted trainer took its first step: journal how long the restart took. The marker
+        goes only now: a trainer killed while it starts is started again, from the same release."""
         if self.restart is None:
             return
         entry, self.restart = self.restart, None
+        (self.run_dir / MARKER).unlink(missing_ok=True)
         began = float(entry.get("restart_wall", time.time()))
         seconds = time.time() - began
         released_s = float(entry.get("restart_clock", now)) - float(entry.get("clock", now))

@@ -92,7 +92,7 @@ class SiteCheckpoints:
         self.resumed_shards = payload.get("shards")
         self.log.info(
             "resumed from %s: outer step %d, %d local steps, global digest %s",
-            self.checkpointer.path,
+            self.checkpointer.loaded or self.checkpointer.path,
             self.state.outer_round,
             self.stats.local_steps,
             self.state.digest(),
