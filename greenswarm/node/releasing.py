@@ -85,6 +85,7 @@ class Releaser:
         self.release_at = math.inf  # clock time at which the planned release is due
         self.released = False  # the node is ending for a release
         self.restart: dict[str, Any] | None = None  # the marker this start resumed from a release
+        self._phases: dict[str, float] = {"trainer process started": time.time()}  # wall times
 
     # -------------------------------------------------------------------- in a window's gap
 
@@ -178,6 +179,11 @@ class Releaser:
         self.restart = entry
         return True
 
+    def mark(self, phase: str) -> None:
+        """Note when a phase of this start ended (wall time): a restart's journal line says where
+        its seconds went."""
+        self._phases[phase] = time.time()
+
     def first_step(self, now: float) -> None:
         """The restarted trainer took its first step: journal how long the restart took. The marker
         goes only now: a trainer killed while it starts is started again, from the same release."""
@@ -186,7 +192,11 @@ class Releaser:
         entry, self.restart = self.restart, None
         (self.run_dir / MARKER).unlink(missing_ok=True)
         began = float(entry.get("restart_wall", time.time()))
-        seconds = time.time() - began
+        self.mark("first step")
+        seconds = self._phases["first step"] - began
+        phases, last = {}, began
+        for phase, t in self._phases.items():  # (in the order they happened)
+            phases[phase], last = round(t - last, 3), t
         released_s = float(entry.get("restart_clock", now)) - float(entry.get("clock", now))
         _append(
             self.run_dir / JOURNAL,
@@ -195,6 +205,7 @@ class Releaser:
                 "clock": now,
                 "released_s": released_s,
                 "restart_wall_s": seconds,
+                "phases_s": phases,  # seconds each phase took, from the window's opening
                 "state_digest": entry.get("state_digest"),
                 "state_digest_after": entry.get("state_digest_after"),
             },

@@ -93,6 +93,7 @@ class SiteNode:
         self.faults = FaultPlan.from_env()
         self.faults.record = str(Path(cfg.node.run_dir) / "faults.jsonl")  # when a fault fires, and where
         self.trainer = InnerTrainer(cfg.model, cfg.data, cfg.train, self.world, self.faults)
+        self.releaser.mark("model built")
         self.ranks = SiteRanks(self.world, self.trainer)
         self.evaluator = self._evaluator()  # the global model's held-out loss (rank 0, eval.batches)
         self.round_log = RoundLog(cfg.node.run_dir, self.started)
@@ -476,8 +477,10 @@ class SiteNode:
         # (the metrics count from the restored totals: a restarted site's counters start at 0)
         with self.metrics.restoring() if self.metrics is not None else contextlib.nullcontext():
             resumed = self.checkpoints.resume()
+        self.releaser.mark("checkpoint loaded")
         if resumed and self.releaser.resume(self.clock.now(), self.checkpoints.state_digest):
             self.state = RESTARTING  # (booked at training power until its first decision)
+            self.releaser.mark("state digest checked")
         elif resumed and (gap := self.ledger.skip_to(self.clock.now())) > 0:
             self.log.info(
                 "energy: not booking the %.1f h between the checkpoint and this start (the site's draw "
@@ -504,6 +507,7 @@ class SiteNode:
             cfg, outer.numel, self.global_state.served, self.faults, self.log, self.trainer.identity
         )
         self.peer_id = self.swarm.peer_id
+        self.releaser.mark("joined the swarm")
         refuse_other_models(
             self.swarm.view, self.trainer.identity, cfg.name, cfg.swarm.name, cfg.node.progress_ttl_s
         )
