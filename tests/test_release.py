@@ -40,7 +40,7 @@ def hourly(**regions: list[float]) -> Trace:
 
 
 def rule(mode: str = "auto", trust: float = 0.5, released_kw: float = 0.0) -> ReleaseRule:
-    """A site at the anchor's draws with a 30 s restart and a 5 s checkpoint: break-even 151.4 s."""
+    """A site at the anchor's draws with a 30 s restart and a 5 s checkpoint: break-even 134.7 s."""
     return ReleaseRule(ReleaseConfig(mode, trust, 30.0, 5.0), 2.024, 0.468, released_kw)  # type: ignore[arg-type]
 
 
@@ -58,9 +58,10 @@ def best_kwh(r: ReleaseRule, gap_s: float) -> float:
 
 def test_break_even_is_restart_energy_over_the_draw_saved() -> None:
     r = rule()
-    assert r.restart_kwh == pytest.approx(35 * 2.024 / H)
-    assert r.break_even_s == pytest.approx(35 * 2.024 / 0.468)
-    assert rule(released_kw=0.2).break_even_s == pytest.approx(35 * 2.024 / 0.268)
+    restart_kwh = (30 * 2.024 + 5 * 0.468) / H  # restart at training power, checkpoint at idle
+    assert r.restart_kwh == pytest.approx(restart_kwh)
+    assert r.break_even_s == pytest.approx(restart_kwh * H / 0.468)
+    assert rule(released_kw=0.2).break_even_s == pytest.approx(restart_kwh * H / 0.268)
     assert rule(released_kw=0.468).break_even_s == math.inf
 
 
@@ -133,9 +134,9 @@ def test_a_long_gap_is_released_after_the_hold_and_restarted_at_the_next_window(
     assert site["idle_hours"] == pytest.approx((10 + hold) / H)  # the first start-up and the hold
     assert site["released_hours"] == pytest.approx((2 * H - hold - 5) / H)
     assert site["restart_hours"] == pytest.approx(35 / H)
-    kwh = 2.024 * (2 * H + 10 + 35) / H + 0.468 * hold / H
+    kwh = 2.024 * (2 * H + 10 + 30) / H + 0.468 * (hold + 5) / H
     assert rep["energy_kwh"] == pytest.approx(kwh)
-    grams = 2.024 * 50 * (2 * H + 30 + 10) / H + 200 * (0.468 * hold + 2.024 * 5) / H
+    grams = 2.024 * 50 * (2 * H + 30 + 10) / H + 200 * 0.468 * (hold + 5) / H
     assert rep["emissions_kg"] == pytest.approx(grams / 1000)
 
 
@@ -230,7 +231,7 @@ def test_the_node_plans_by_the_rule_in_clock_seconds(tmp_path: Path) -> None:
     """The rule's restart is wall seconds; a replay at 600x makes each of them 600 clock seconds."""
     r, _ = releaser(tmp_path / "a", "auto")
     b = r.rule().break_even_s
-    assert b == pytest.approx(35 * 2.024 / 0.468)
+    assert b == pytest.approx((30 * 2.024 + 5 * 0.468) / 0.468)
     r.plan(T0 + 2 * H)  # the first window has just closed; persistence: dirty for ever
     assert r.release_at == pytest.approx(T0 + 2 * H + 0.5 * b) and r.decision.expected_gap_s == 48 * H
     assert not r.due(T0 + 2 * H + 0.4 * b) and r.due(T0 + 2 * H + 0.5 * b)
@@ -268,12 +269,13 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     r, ledger = releaser(tmp_path, "idle")
     ledger.advance(T0 + 2 * H, SiteState.SOLO)
     r.plan(T0 + 2 * H)
-    r.release(T0 + 2 * H, 0.5, "abc")
+    r.release(T0 + 2 * H, T0 + 2 * H + 30, 0.5, "abc")
     marker = r.run_dir / "released.json"
     entry = json.loads(marker.read_text())
     marker.write_text(json.dumps({**entry, "restart_clock": T0 + 4 * H, "restart_wall": 0.0}))
     assert r.resume(T0 + 4 * H + 60, lambda: "abc")
-    assert ledger.seconds["RELEASED"] == pytest.approx(2 * H) and ledger.kwh["RELEASED"] == 0.0
+    assert ledger.seconds["IDLE"] == pytest.approx(30)  # the release's checkpoint, GPUs held
+    assert ledger.seconds["RELEASED"] == pytest.approx(2 * H - 30) and ledger.kwh["RELEASED"] == 0.0
     assert ledger.seconds["RESTARTING"] == pytest.approx(60)
     assert marker.exists()  # until the first step: a trainer killed while starting starts again
     r.first_step(T0 + 4 * H + 61)
@@ -281,7 +283,7 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     restart = [e for e in read_json_lines(r.run_dir / "releases.jsonl") if e["event"] == "restart"]
     assert restart[0]["state_digest"] == restart[0]["state_digest_after"] == "abc"
     # a checkpoint replaced in between: the site goes on, and says so
-    r.release(T0 + 5 * H, 0.5, "abc")
+    r.release(T0 + 5 * H, T0 + 5 * H, 0.5, "abc")
     with caplog.at_level("WARNING"):
         assert r.resume(T0 + 5 * H + 10, lambda: "xyz")
     assert "is not the state released" in caplog.text

@@ -1,7 +1,7 @@
 """A real site that ends its trainer between windows and starts it again (docs/release.md).
 
-One bootstrap and one site replay a trace with two windows and a dirty hour between them, with
-``release.mode: idle`` (release at each window's end). Between the windows the site's supervisor
+Sites replay traces whose windows have dirty stretches between them, with ``release.mode: idle``
+(release at each window's end). Between the windows the site's supervisor
 (the agent) holds no trainer: no forked node, no p2pd. At the second window it forks the trainer
 again, which resumes from the release's checkpoint with the same state digest, and the ledger books
 the released stretch at ``energy.released_kw`` and the restart at training power.
@@ -20,10 +20,10 @@ import pytest
 from greenswarm.jsonlines import read_json_lines
 from tests.conftest import Swarm, site_config, wait_until, write_trace
 
-pytestmark = [pytest.mark.release, pytest.mark.swarm]
+pytestmark = [pytest.mark.release, pytest.mark.swarm, pytest.mark.faults]
 
-#: 15-minute steps: three windows (30 min, 1 h, 1 h) with a dirty hour after each of the first two
-TRACE = {"A": [50.0] * 2 + [300.0] * 4 + [50.0] * 4 + [300.0] * 4 + [50.0] * 4 + [300.0]}
+#: 15-minute steps: three windows (30 min, 1 h, 1 h) with a dirty half hour after each of the first two
+TRACE = {"A": [50.0] * 2 + [300.0] * 2 + [50.0] * 4 + [300.0] * 2 + [50.0] * 4 + [300.0]}
 SPEEDUP = 360.0  # 10 wall seconds a clock hour
 
 
@@ -101,3 +101,68 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
     swarm.procs["site"].wait()
     wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in trainers), 30,
                "the trainer of a killed agent to stop")  # fmt: skip
+
+
+#: two sites whose windows overlap at the start and in the third hour: federated there, alone elsewhere
+PAIR = {
+    "A": [50.0] * 4 + [300.0] * 4 + [50.0] * 4 + [300.0] * 4,
+    "B": [50.0] * 2 + [300.0] * 4 + [50.0] * 5 + [300.0] * 5,
+}
+
+
+def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """Two sites release at every window's end and restart at the next: every restart resumes the
+    state it released, the global model goes on from where it was (never an outer step back), they
+    average after their restarts, and ``simulate --calibrate`` on the run books their ledgers within
+    3 %."""
+    from greenswarm.simulation.calibrate import calibrate
+    from greenswarm.simulation.policies import load_policy
+    from greenswarm.simulation.report import simulate
+    from greenswarm.traces import load_trace
+
+    trace_path = write_trace(tmp_path / "trace.csv", PAIR, step_s=900)
+    start_file = tmp_path / "start"
+    peers = swarm.bootstrap()
+    runs = tmp_path / "runs"
+    names = {region: f"site-{region.lower()}" for region in PAIR}
+    for region, name in names.items():
+        cfg = site_config(
+            name, region, trace_path, peers, runs / name, speedup=SPEEDUP, start_file=start_file,
+            sync_s=600.0, release={"mode": "idle"},
+        )  # fmt: skip
+        swarm.node(name, swarm.write_config(name, cfg))
+    swarm.start_replay(list(names.values()), start_file)
+    for name in names.values():
+        assert swarm.wait(name, timeout=4 * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
+
+    first_restart: dict[str, float] = {}
+    for name in names.values():
+        journal = read_json_lines(runs / name / "releases.jsonl")
+        restarts = [e for e in journal if e["event"] == "restart"]
+        assert len(restarts) == 1 and len([e for e in journal if e["event"] == "release"]) == 2, journal
+        assert all(e["state_digest"] == e["state_digest_after"] for e in restarts), restarts
+        first_restart[name] = min(
+            e["wall"] for e in journal if e["event"] == "release"
+        )  # (the restart follows it)
+        rounds = read_json_lines(runs / name / "rounds.jsonl")
+        steps = [r["outer_round"] for r in rounds]
+        assert steps == sorted(steps) and len({r["pid"] for r in rounds}) == 2, rounds
+    averaged_after = [
+        r
+        for name in names.values()
+        for r in read_json_lines(runs / name / "rounds.jsonl")
+        if r["action"] == "apply" and len(r["members"]) == 2 and r["wall_time"] > first_restart[name]
+    ]
+    assert averaged_after, "no round averaged by both sites after their restarts"
+
+    summaries = [json.loads((runs / n / "summary.json").read_text()) for n in names.values()]
+    booked_kg = sum(s["emissions_g"] for s in summaries) / 1000.0
+    measured = calibrate(runs)
+    assert measured.release_mode == "idle" and measured.restarts == 2 and measured.restart_s
+    trace = load_trace(str(trace_path))
+    policy = measured.apply(load_policy("greenswarm"))
+    sim = simulate(trace, list(PAIR), policy, start=trace.start).report
+    assert sim["restarts"] == 2
+    assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)

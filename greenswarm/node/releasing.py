@@ -133,14 +133,17 @@ class Releaser:
     def due(self, now: float) -> bool:
         return now >= self.release_at
 
-    def release(self, now: float, checkpoint_wall_s: float, state_digest: str) -> None:
-        """The node has checkpointed and left the swarm: leave the marker the agent and the next
-        start read, and the journal's line. ``state_digest``: what the checkpoint restores."""
+    def release(self, now: float, saved: float, checkpoint_wall_s: float, state_digest: str) -> None:
+        """The node has checkpointed (from clock time ``now`` to ``saved``) and left the swarm: leave
+        the marker the agent and the next start read, and the journal's line. ``state_digest``: what
+        the checkpoint restores."""
         decision = self.decision
         entry = {
             "state_digest": state_digest,
             "event": "release",
+            "mode": self.cfg.release.mode,
             "clock": now,
+            "released_clock": saved,
             "wall": time.time(),
             "reason": decision.reason if decision else "",
             "hold_s": decision.hold_s if decision else 0.0,
@@ -166,6 +169,8 @@ class Releaser:
         except (FileNotFoundError, json.JSONDecodeError):
             return False
         restart_at = float(entry.get("restart_clock", now))
+        # the release's checkpoint was written holding the GPUs; released from then to the restart
+        self.ledger.advance(min(float(entry.get("released_clock", 0.0)), now), SiteState.IDLE)
         self.ledger.advance(min(restart_at, now), SiteState.RELEASED)
         self.ledger.advance(now, SiteState.RESTARTING)
         entry["state_digest_after"] = after = state_digest()

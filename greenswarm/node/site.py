@@ -639,11 +639,12 @@ class SiteNode:
         if self.shards is not None:
             self.shards.release_all("its trainer is released")
         checkpoint_s = time.monotonic() - began
+        saved = self.clock.now()
         digest = self.checkpoints.state_digest()
         self._report(force=True)
         self.swarm.publisher.flush()
         write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")  # (the run so far)
-        self.releaser.release(now, checkpoint_s, digest)
+        self.releaser.release(now, saved, checkpoint_s, digest)
         old, self.state = self.state, RELEASED
         self.history.maybe_write(self, force=True)
         log_transition(self, old, now)

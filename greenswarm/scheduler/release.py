@@ -73,7 +73,8 @@ class ReleaseConfig:
     a restart would, sooner when the site's forecaster expects a long gap. ``trust`` (0-1] is how
     far ``auto`` follows that forecast (1: not at all). ``restart_s`` and ``checkpoint_s`` are the
     seconds a restart and the release's checkpoint take at training power, before a run has measured
-    them (``greenswarm simulate --calibrate`` reads the measured ones).
+    them (``greenswarm simulate --calibrate`` reads the measured ones). The restart is drawn at
+    training power, the checkpoint at idle power (the GPUs are held while it is written).
     """
 
     mode: ReleaseMode = "auto"
@@ -116,8 +117,9 @@ class ReleaseRule:
 
     @property
     def restart_kwh(self) -> float:
-        """Energy one release costs: its checkpoint and the restart, at training power."""
-        return (self.config.restart_s + self.config.checkpoint_s) * self.train_kw / 3600.0
+        """Energy one release costs: its checkpoint, written holding the GPUs (idle power), and the
+        restart, at training power."""
+        return (self.config.restart_s * self.train_kw + self.config.checkpoint_s * self.idle_kw) / 3600.0
 
     @property
     def break_even_s(self) -> float:

@@ -16,7 +16,12 @@ waited for it, ``blocked_s``, in wall seconds). From them:
   edges both ways the simulator takes these delays instead of its polls. They are real: at a
   replay's speed-up an inner step of 0.1 s is a minute of clock time trained past the window's end,
   at the window's end's intensity. (The mean, not the median: every crossing is booked, so the
-  total is what must match.)
+  total is what must match.) A window entered by a restart after a release is not an edge here:
+  its delay is the restart's.
+* for a site that released its trainer between windows (``releases.jsonl``): ``release.mode`` as
+  the node had it, ``released_kw`` (kWh booked RELEASED / its hours), ``restart_s`` (the clock
+  seconds booked RESTARTING / the restarts) and ``checkpoint_s`` (the mean clock seconds the
+  release's checkpoint took).
 
 ``RUN_DIR`` is one site's run directory or a folder of them; figures from several sites are pooled
 (kWh and hours summed, the median over every site's rounds, the mean over every site's window
@@ -37,7 +42,9 @@ from greenswarm.jsonlines import read_json_lines
 from greenswarm.simulation.policies import PolicyConfig
 
 TRAINING = ("SOLO", "FEDERATED")
+RESTARTED = ("RELEASED", "RESTARTING")  # a window entered from these was entered by a restart
 HISTORY = "history.jsonl"  # (greenswarm.node.history.FILE: the simulator does not import the node)
+RELEASES = "releases.jsonl"  # (greenswarm.node.releasing.JOURNAL)
 FEDERATED_ACTIONS = ("apply", "resync", "fail")
 
 
@@ -55,6 +62,11 @@ class Calibration:
     leave_delay_s: float | None = None
     federated_rounds: int = 0
     window_edges: int = 0
+    release_mode: str | None = None
+    released_kw: float | None = None
+    restart_s: float | None = None
+    checkpoint_s: float | None = None
+    restarts: int = 0
     notes: list[str] = field(default_factory=list)
 
     def apply(self, policy: PolicyConfig) -> PolicyConfig:
@@ -72,7 +84,16 @@ class Calibration:
             prov = replace(
                 prov, at_polls=False, enter_delay_s=self.enter_delay_s, leave_delay_s=self.leave_delay_s
             )
-        return replace(policy, energy=energy, provisioning=prov)
+        release = policy.release
+        if self.release_mode is not None:
+            release = replace(release, mode=self.release_mode)  # type: ignore[arg-type]
+            if self.released_kw is not None:
+                energy = replace(energy, released_kw=self.released_kw)
+            if self.restart_s is not None:
+                release = replace(release, restart_s=self.restart_s)
+            if self.checkpoint_s is not None:
+                release = replace(release, checkpoint_s=self.checkpoint_s)
+        return replace(policy, energy=energy, provisioning=prov, release=release)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -86,6 +107,11 @@ class Calibration:
             "leave_delay_s": self.leave_delay_s,
             "federated_rounds": self.federated_rounds,
             "window_edges": self.window_edges,
+            "release_mode": self.release_mode,
+            "released_kw": self.released_kw,
+            "restart_s": self.restart_s,
+            "checkpoint_s": self.checkpoint_s,
+            "restarts": self.restarts,
             "notes": list(self.notes),
         }
 
@@ -107,8 +133,11 @@ def calibrate(run_dir: str | Path) -> Calibration:
         raise ConfigError(
             f"{root} holds no summary.json (a site's run_dir, or a folder of them)", where="--calibrate"
         )
-    kwh = {"train": 0.0, "idle": 0.0}
-    hours = {"train": 0.0, "idle": 0.0}
+    kwh = {"train": 0.0, "idle": 0.0, "released": 0.0, "restart": 0.0}
+    hours = {"train": 0.0, "idle": 0.0, "released": 0.0, "restart": 0.0}
+    modes: set[str] = set()
+    checkpoints: list[float] = []
+    restarts = 0
     blocked: list[float] = []
     enter: list[float] = []
     leave: list[float] = []
@@ -124,9 +153,17 @@ def calibrate(run_dir: str | Path) -> Calibration:
                 where="--calibrate",
             ) from None
         for state, s in seconds.items():
-            key = "train" if state in TRAINING else "idle"
+            key = {"RELEASED": "released", "RESTARTING": "restart"}.get(state, "idle")
+            key = "train" if state in TRAINING else key
             hours[key] += float(s) / 3600.0
             kwh[key] += float(by_state.get(state, 0.0))
+        for entry in read_json_lines(site / RELEASES):
+            if entry.get("event") == "release":
+                modes.add(str(entry.get("mode")))
+                if isinstance(entry.get("released_clock"), int | float):
+                    checkpoints.append(float(entry["released_clock"]) - float(entry["clock"]))
+            elif entry.get("event") == "restart":
+                restarts += 1
         if summary.get("sync_interval_s"):
             intervals.add(float(summary["sync_interval_s"]))
         for entry in read_json_lines(site / "rounds.jsonl"):
@@ -154,7 +191,33 @@ def calibrate(run_dir: str | Path) -> Calibration:
     for key, name in (("train", "train_kw"), ("idle", "idle_kw")):
         if hours[key] <= 0:
             cal.notes.append(f"no time {'training' if key == 'train' else 'idle'}: {name} kept")
+    _releases(cal, modes, kwh, hours, checkpoints, restarts)
     return cal
+
+
+def _releases(
+    cal: Calibration,
+    modes: set[str],
+    kwh: dict[str, float],
+    hours: dict[str, float],
+    checkpoints: list[float],
+    restarts: int,
+) -> None:
+    """The release figures of a run whose sites released their trainers (see the module's doc)."""
+    if not modes:
+        return
+    if len(modes) > 1:
+        cal.notes.append(f"sites released by different modes {sorted(modes)}: release.mode kept")
+        return
+    cal.release_mode, cal.restarts = modes.pop(), restarts
+    if hours["released"] > 0:
+        cal.released_kw = kwh["released"] / hours["released"]
+    if restarts:
+        cal.restart_s = hours["restart"] * 3600.0 / restarts
+    else:
+        cal.notes.append("no restart after a release: release.restart_s kept")
+    if checkpoints:
+        cal.checkpoint_s = statistics.fmean(checkpoints)
 
 
 def _edge_delays(path: Path) -> tuple[list[float], list[float]]:
@@ -168,7 +231,7 @@ def _edge_delays(path: Path) -> tuple[list[float], list[float]]:
         new = point.get("state")
         late = point.get("late_s")
         if isinstance(late, int | float) and new != state:
-            if new in TRAINING and state not in TRAINING:
+            if new in TRAINING and state not in TRAINING and state not in RESTARTED:
                 enter.append(float(late))
             elif new not in TRAINING and state in TRAINING:
                 leave.append(float(late))

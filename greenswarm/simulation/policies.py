@@ -150,7 +150,7 @@ class PolicyConfig:
                 )
                 parts.append(
                     f"releases its GPUs {when} at {e.released_kw:g} kW, "
-                    f"restart {r.restart_s:g} s + checkpoint {r.checkpoint_s:g} s at train power"
+                    f"restart {r.restart_s:g} s at train power, checkpoint {r.checkpoint_s:g} s at idle"
                 )
         return ", ".join(parts)
 
@@ -236,7 +236,8 @@ def site_run(
     run = SiteRun(name, region)
     end = max(start, decide.end)
     if p.powered == "always" and policy.release.mode != "never":
-        gaps = release_gaps(decide, region, policy, enter, leave, start, end)
+        outside = not len(raw) or raw[0, 0] > start  # launched outside a window (not merely before a poll)
+        gaps = release_gaps(decide, region, policy, enter, leave, start, end, outside)
         starts = enter + np.where(gaps.restarted, policy.release.restart_s, p.startup_s)
         training = as_intervals(np.column_stack([starts, leave]))
         restarting = as_intervals(np.column_stack([enter, starts])[gaps.restarted])
@@ -246,7 +247,7 @@ def site_run(
             Segments("idle", subtract(subtract(powered, training), restarting), startup_kw, 0.0)
         )
         run.segments.append(Segments("idle", gaps.held, e.idle_kw, 0.0))
-        run.segments.append(Segments("checkpoint", gaps.checkpoint, e.train_kw, 0.0))
+        run.segments.append(Segments("checkpoint", gaps.checkpoint, e.idle_kw, 0.0))  # (GPUs held)
         run.segments.append(Segments("released", gaps.released, e.released_kw, 0.0))
         return run
     training = as_intervals(np.column_stack([enter + p.startup_s, leave]))
@@ -277,11 +278,13 @@ def release_gaps(
     leave: np.ndarray,
     start: float,
     end: float,
+    launched_outside: bool = True,
 ) -> ReleaseGaps:
     """Apply the node's release rule (:class:`~greenswarm.scheduler.release.ReleaseRule`) to each
     gap between the windows ``[enter, leave)``, deciding at the gap's start with only what the site
     knows then: its forecaster (``scheduler.forecast``) on the trace up to that instant. A site that
-    starts outside a window starts released (its agent runs; its trainer waits for the window)."""
+    starts outside a window (``launched_outside``) starts released (its agent runs; its trainer
+    waits for the window); one launched in a window holds until it has noticed it."""
     e, r = policy.energy, policy.release
     rule = ReleaseRule(r, e.train_kw, e.idle_kw, e.released_kw)
     forecaster = policy.scheduler.deadline_forecaster() if r.mode == "auto" else None
@@ -295,9 +298,12 @@ def release_gaps(
             last = max(last, leave[i])
         if g1 <= g0:
             continue
-        if i == 0 and g0 == start:  # launched outside a window: nothing to release
-            released.append((g0, g1))
-            restarted[0] = True
+        if i == 0 and g0 == start:  # before the first window: nothing to release
+            if launched_outside:
+                released.append((g0, g1))
+                restarted[0] = True
+            else:
+                held.append((g0, g1))
             continue
         hold = rule.break_even_s  # a gap no longer than the least hold is held whatever the forecast
         if g1 - g0 > r.trust * hold or r.mode == "idle":
