@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -41,7 +42,8 @@ def _trainers(agent: psutil.Process) -> list[psutil.Process]:
 
 
 def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm, tmp_path: Path) -> None:
-    """First gap: the agent alone, then the same state back. Second gap: the release's checkpoint
+    """First gap: the agent alone; the trainer started for the next window is killed while it starts,
+    forked again, and resumes the state released. Second gap: the release's checkpoint
     is damaged; the trainer falls back to the previous one and says so. Third window: the agent is
     killed; its trainer stops and leaves nothing."""
     trace = write_trace(tmp_path / "trace.csv", TRACE, step_s=900)
@@ -75,7 +77,14 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
     if not events("restart"):  # (still released: the agent alone, holding no model)
         assert agent.memory_info().rss < max(rss), (agent.memory_info().rss, max(rss))
 
+    # the trainer killed while it starts: forked again at once, from the same release
+    deadline = time.monotonic() + 60
+    while not (starting := [p for p in _trainers(agent) if "p2pd" not in p.name()]):
+        assert time.monotonic() < deadline, "no trainer started for the second window"
+        time.sleep(0.02)
+    os.kill(starting[0].pid, signal.SIGKILL)
     wait_until(lambda: len(events("release")) == 2, 60, "the second release")
+    assert "the node died (SIGKILL); restarting it" in swarm.log("site")
     (restart,) = events("restart")
     assert restart["state_digest"] == restart["state_digest_after"], restart
     assert restart["released_s"] > 0 and restart["restart_wall_s"] > 0
