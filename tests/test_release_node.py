@@ -112,11 +112,13 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
                "the trainer of a killed agent to stop")  # fmt: skip
 
 
-#: two sites whose windows overlap at the start and in the third hour: federated there, alone elsewhere
+#: two sites whose windows overlap in the first half hour and from 2 h to 4 h (federated there,
+#: alone elsewhere); B restarts at 1.5 h while A is released, A at 2 h
 PAIR = {
-    "A": [50.0] * 4 + [300.0] * 4 + [50.0] * 4 + [300.0] * 4,
-    "B": [50.0] * 2 + [300.0] * 4 + [50.0] * 5 + [300.0] * 5,
+    "A": [50.0] * 4 + [300.0] * 4 + [50.0] * 8 + [300.0] * 2,
+    "B": [50.0] * 2 + [300.0] * 4 + [50.0] * 10 + [300.0] * 2,
 }
+HOURS = len(PAIR["A"]) / 4
 
 
 def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
@@ -142,9 +144,19 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
             sync_s=600.0, release={"mode": "idle"},
         )  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
-    swarm.start_replay(list(names.values()), start_file)
+    start_wall = swarm.start_replay(list(names.values()), start_file)
+    # site-a's first window ends at 1 h: the swarm sees it RELEASED, with its restart at 2 h, while
+    # its process is gone (its last record lives on at the bootstrap until then)
+    journal_a = runs / "site-a" / "releases.jsonl"
+    wait_until(lambda: read_json_lines(journal_a), 60, "site-a's first release")
+    shown = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json")
+    assert shown.returncode == 0, shown.stderr
+    if not [e for e in read_json_lines(journal_a) if e["event"] == "restart"]:  # (still released)
+        (a,) = [r for r in json.loads(shown.stdout) if r["site"] == "site-a"]
+        assert a["state"] == "RELEASED" and a["next_start"] == load_trace(str(trace_path)).start + 2 * 3600
+    assert time.time() - start_wall < HOURS * 3600 / SPEEDUP, "the replay ended before the check"
     for name in names.values():
-        assert swarm.wait(name, timeout=4 * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
+        assert swarm.wait(name, timeout=HOURS * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
 
     first_restart: dict[str, float] = {}
     for name in names.values():

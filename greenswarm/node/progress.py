@@ -207,6 +207,26 @@ class ProgressPublisher:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def publish_final(self, record: ProgressRecord, lives_s: float, timeout: float = 5.0) -> None:
+        """Write ``record`` once to live ``lives_s`` seconds (longer than ``ttl_s``: a released site's
+        record, held by the peers that store it after the site's process is gone) and wait for it.
+        The keep-alive stops first, so it never writes the record again with the usual ttl."""
+        from hivemind.utils import get_dht_time
+
+        self.close()
+        with self._lock:
+            self._made = time.monotonic()
+            self._wire = _clean_floats(record).to_wire()
+            self._stored = time.monotonic()
+            self._pending = self.dht.store(
+                self.key,
+                subkey=self.subkey,
+                value=self._wire,
+                expiration_time=get_dht_time() + max(lives_s, self.ttl_s),
+                return_future=True,
+            )
+        self.flush(timeout)
+
     def flush(self, timeout: float = 5.0) -> None:
         """Wait for the last write (used before exit, so the final state reaches the swarm)."""
         if self._pending is not None:

@@ -126,6 +126,22 @@ class Releaser:
         self.release_at = now + self.decision.hold_s
         self.log.info("release: %s", self.decision.reason)
 
+    def planned_restart(self, now: float) -> float | None:
+        """Clock time at which a released site's agent starts the trainer again: its schedule's
+        next window (None while not released, or with no window left)."""
+        if not self.released or not isinstance(self.schedule, WindowSchedule):
+            return None
+        nxt = self.schedule.next_window(now)
+        return float(nxt.start) if nxt is not None else None
+
+    def record_lives_s(self, now: float, ttl_s: float) -> float:
+        """Wall seconds a released site's last progress record should live: until its planned
+        restart and a ``ttl_s`` more (a week at most), so the swarm sees it RELEASED meanwhile."""
+        restart = self.planned_restart(now)
+        if restart is None:
+            return ttl_s
+        return min(self.clock.wall_seconds(max(restart - now, 0.0)) + ttl_s, 7 * 86400.0)
+
     def cancel(self) -> None:
         """The site is in a window again before its release was due."""
         self.release_at = math.inf

@@ -641,13 +641,14 @@ class SiteNode:
         checkpoint_s = time.monotonic() - began
         saved = self.clock.now()
         digest = self.checkpoints.state_digest()
-        self._report(force=True)
-        self.swarm.publisher.flush()
         write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")  # (the run so far)
         self.releaser.release(now, saved, checkpoint_s, digest)
         old, self.state = self.state, RELEASED
         self.history.maybe_write(self, force=True)
         log_transition(self, old, now)
+        # the swarm sees this site RELEASED, with its planned restart, after its process is gone
+        lives_s = self.releaser.record_lives_s(saved, self.cfg.node.progress_ttl_s)
+        self.swarm.publisher.publish_final(progress_record(self), lives_s)
 
     def _close(self) -> None:
         if isinstance(self.schedule, LiveSchedule | DeadlineSchedule):

@@ -67,7 +67,7 @@ def progress_record(node: RunningSite) -> ProgressRecord:
         world_size=node.world.world_size,
         wire=node.federation.wire if node.federation is not None and node.federation.wire else None,
         refused=stats.counts["refused_updates"],
-        next_start=getattr(node.schedule, "next_start", None),
+        next_start=getattr(node.schedule, "next_start", None) or node.releaser.planned_restart(now),
         plan=getattr(node.schedule, "share", None),
         model=node.trainer.identity.to_wire(),
         state_digest=attested,
