@@ -187,3 +187,37 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     sim = simulate(trace, list(PAIR), policy, start=trace.start).report
     assert sim["restarts"] == 2
     assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)
+
+
+def test_the_command_launcher_runs_the_trainer_through_the_operators_command(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """``node.launcher: command``: the agent runs ``node.start_command`` (here a shell that writes a
+    line and runs ``{trainer}``, the trainer's own command line); each trainer is a fresh process
+    that releases at its window's end and is started again at the next one."""
+    # the second window lasts to the trace's end (the test stops the site once it trained again): a
+    # fresh Python pays for its imports, 10-30 s here, hours of this clock
+    values = [50.0] * 2 + [300.0] * 2 + [50.0] * 60
+    trace = write_trace(tmp_path / "trace.csv", {"A": values}, step_s=900)
+    start_file = tmp_path / "start"
+    peers = swarm.bootstrap()
+    run_dir = tmp_path / "site"
+    starts = tmp_path / "starts.txt"
+    cfg = site_config(
+        "site", "A", trace, peers, run_dir, speedup=SPEEDUP, start_file=start_file, sync_s=600.0,
+        release={"mode": "idle"},
+        node={"launcher": "command", "start_command": f"echo {{site}} >> {starts} && exec {{trainer}}"},
+    )  # fmt: skip
+    swarm.node("site", swarm.write_config("site", cfg))
+    swarm.start_replay(["site"], start_file)
+
+    def restarts() -> list[dict]:
+        return [e for e in read_json_lines(run_dir / "releases.jsonl") if e["event"] == "restart"]
+
+    wait_until(restarts, 120, "the trainer's restart through the command")
+    os.kill(swarm.procs["site"].pid, signal.SIGTERM)  # the agent: it passes the stop to the command
+    assert swarm.wait("site", timeout=60) == 0, swarm.log("site")[-3000:]
+    (restart,) = restarts()
+    assert restart["state_digest"] == restart["state_digest_after"]
+    assert starts.read_text().split() == ["site", "site"]  # the first trainer, and the one restarted
+    assert "starting the trainer again" in swarm.log("site")

@@ -32,6 +32,9 @@ Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
 #: on-crash: fork a new node at once when it dies by a signal; never: end with it
 Restart = Literal["on-crash", "never"]
+Launcher = Literal["local", "command"]
+#: the placeholders a ``node.start_command`` or ``node.stop_command`` may use (greenswarm.node.launchers)
+PLACEHOLDERS = ("trainer", "config", "run_dir", "site", "signal")
 #: the inner optimizer: AdamW with ``train.schedule``, or Schedule-Free AdamW (node/schedule_free.py)
 Optimizer = Literal["adamw", "adamw-schedulefree"]
 #: AdamW's learning rate after warm-up: held, or cosine-decayed to ``min_lr_ratio`` over ``total_steps``
@@ -164,6 +167,10 @@ class NodeConfig:
     does an outer step whose held-out loss may be kept among the best (``eval.keep_best``).
     ``metrics_port``: serve Prometheus metrics on ``metrics_host:metrics_port`` (None or 0: off;
     docs/metrics.md). Loopback by default: the metrics name the site and its peer id.
+    ``launcher``: how the agent starts the trainer after a release (docs/release.md): ``local``
+    forks it; ``command`` runs ``start_command`` (``{trainer}``, ``{config}``, ``{run_dir}``,
+    ``{site}``) and stops it with a signal to its process group or ``stop_command`` (also
+    ``{signal}``); see :mod:`greenswarm.node.launchers`.
     """
 
     run_dir: str = "runs/site"
@@ -186,9 +193,14 @@ class NodeConfig:
     )
     metrics_port: int | None = None  # Prometheus endpoint (None or 0: off)
     metrics_host: str = "127.0.0.1"
+    launcher: Launcher = "local"  # how the agent starts the trainer (greenswarm.node.launchers)
+    start_command: str | None = None  # launcher: command: runs the trainer, exits with its status
+    stop_command: str | None = None  # launcher: command: ends it (default: a signal to its group)
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")
+        _check_choice(self.launcher, Launcher, "launcher")
+        self._validate_commands()
         if self.stop_at is not None:
             try:
                 parse_instant(self.stop_at)
@@ -221,6 +233,27 @@ class NodeConfig:
                 f"must exceed progress_refresh_s ({self.progress_refresh_s}) or records flicker",
                 field="progress_ttl_s",
             )
+
+    def _validate_commands(self) -> None:
+        """``launcher: command`` needs a start command; placeholders are checked now, not at the
+        first window."""
+        if self.launcher == "command" and not (self.start_command or "").strip():
+            raise ConfigError(
+                "launcher: command needs the command that runs the trainer, e.g. 'ssh gpu1 {trainer}'",
+                field="start_command",
+            )
+        for name in ("start_command", "stop_command"):
+            template = getattr(self, name)
+            if template is None:
+                continue
+            try:
+                template.format(**dict.fromkeys(PLACEHOLDERS, ""))
+            except (KeyError, IndexError, ValueError) as err:
+                raise ConfigError(
+                    f"{template!r}: unknown placeholder or stray brace ({err}); "
+                    f"use {', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+                    field=name,
+                ) from None
 
 
 @dataclass

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 import time
 
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.network import check_peers
 from greenswarm.node.config import SiteConfig, load_site_config
+from greenswarm.node.launchers import LAUNCHED_ENV
 from greenswarm.procs import exit_with_parent, on_termination, reap_children
 
 log = logging.getLogger("greenswarm.node")
@@ -25,8 +28,10 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.swarm.initial_peers = check_peers(initial_peers, "--initial-peers")
     if run_dir:
         cfg.node.run_dir = run_dir
+    if cfg.node.launcher == "command":
+        return _run_launched(cfg, config, initial_peers, overrides)
     if cfg.node.restart == "never":
-        return _run_site(cfg, config)
+        return _run_site(cfg, config, supervised=bool(os.environ.get(LAUNCHED_ENV)))
 
     from greenswarm.node.releasing import wait_for_window
     from greenswarm.node.supervisor import supervise
@@ -48,6 +53,28 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.node.restart_window_s,
         preload=lambda: _preload(cfg),
         released=lambda stopped: wait_for_window(cfg, stopped, log),
+    )
+
+
+def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None, overrides: list[str]) -> int:
+    """``node.launcher: command``: this process is the agent; the trainer runs through the operator's
+    command (:mod:`greenswarm.node.launchers`), on the agent's clock."""
+    from greenswarm.node.launchers import run_command_launcher, trainer_command
+    from greenswarm.node.releasing import wait_for_window
+
+    pin_replay_start(cfg)
+    pinned = cfg.scheduler.clock.start_wall
+    extra = [f"scheduler.clock.start_wall={pinned!r}"] if pinned is not None else []
+    trainer = trainer_command(config, initial_peers, [*overrides, *extra], cfg.node.run_dir)
+    values = {"trainer": shlex.join(trainer), "config": config, "run_dir": cfg.node.run_dir, "site": cfg.name}
+    assert cfg.node.start_command is not None  # (validated)
+    return run_command_launcher(
+        cfg.node.start_command,
+        cfg.node.stop_command,
+        values,
+        released=lambda stopped: wait_for_window(cfg, stopped, log),
+        max_restarts=cfg.node.max_restarts,
+        window_s=cfg.node.restart_window_s,
     )
 
 

@@ -75,7 +75,7 @@ def supervise(
             except ProcessLookupError:
                 pass
 
-    crashes: list[float] = []
+    crashes = CrashBudget(max_restarts, window_s)
     while True:
         _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
         child = os.fork()
@@ -102,33 +102,48 @@ def supervise(
         if os.WIFEXITED(status):
             code = os.WEXITSTATUS(status)
             if code == RELEASED_EXIT and released is not None and not stopping:
-                if _while_released(released, stopping):
+                if while_released(released, stopping):
                     continue
                 return 128 + stopping[0] if stopping else 0
             return code
         signum = os.WTERMSIG(status)
         if stopping:  # we were asked to stop and passed it on: the node is gone, so are we
             return 128 + stopping[0]
+        if not crashes.allow(signal.Signals(signum).name):
+            return 1
+
+
+class CrashBudget:
+    """At most ``max_restarts`` restarts after crashes within any ``window_s`` seconds: a crash loop
+    is reported, not hidden."""
+
+    def __init__(self, max_restarts: int, window_s: float):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.crashes: list[float] = []
+
+    def allow(self, how: str) -> bool:
+        """The node died (``how``: the signal's name): whether to start it again (said either way)."""
         now = time.monotonic()
-        crashes = [t for t in crashes if now - t < window_s] + [now]
-        if len(crashes) > max_restarts:
+        self.crashes = [t for t in self.crashes if now - t < self.window_s] + [now]
+        if len(self.crashes) > self.max_restarts:
             log.error(
                 "the node died (%s) %d times within %.0f s; not restarting it again",
-                signal.Signals(signum).name,
-                len(crashes),
-                window_s,
+                how,
+                len(self.crashes),
+                self.window_s,
             )
-            return 1
+            return False
         log.warning(
             "the node died (%s); restarting it from its last checkpoint (%d of %d restarts in %.0f s)",
-            signal.Signals(signum).name,
-            len(crashes),
-            max_restarts,
-            window_s,
+            how,
+            len(self.crashes),
+            self.max_restarts,
+            self.window_s,
         )
+        return True
 
 
-def _while_released(released: Callable[[Callable[[], bool]], bool], stopping: list[int]) -> bool:
+def while_released(released: Callable[[Callable[[], bool]], bool], stopping: list[int]) -> bool:
     """Wait out a release (see :func:`supervise`) with the stop signals noted, not fatal."""
 
     def note(signum: int, _frame: object) -> None:

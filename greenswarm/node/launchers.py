@@ -1,0 +1,109 @@
+"""How the agent starts the site's trainer: ``node.launcher``.
+
+* ``local`` (the default): the supervisor forks the trainer from itself, having paid for the
+  imports once (:mod:`greenswarm.node.supervisor`): the fastest restart, one machine.
+* ``command``: the operator's own command, ``node.start_command``, run by a shell in the foreground;
+  it must run the trainer and exit with the trainer's status (``ssh gpu-host {trainer}``, a container
+  runtime, a cluster's batch system that waits for its job). Placeholders: ``{trainer}`` (the
+  trainer's own command line, shell-quoted), ``{config}``, ``{run_dir}``, ``{site}``. A stop signal
+  goes to the command's process group, or ``node.stop_command`` runs instead (same placeholders and
+  ``{signal}``, the signal's number), e.g. to cancel a batch job. Every trainer it starts is a fresh
+  Python: its restarts pay for the imports (about 5 s here).
+
+The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases; the agent
+then waits for the next window (:func:`~greenswarm.node.releasing.wait_for_window`) and starts it
+again. A trainer killed by a signal (the shell's status 128 + n) is started again, within
+``node.max_restarts``; any other status ends the agent with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+
+from greenswarm.node.releasing import RELEASED_EXIT
+from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget, while_released
+
+log = logging.getLogger("greenswarm.launcher")
+
+#: set in a launched trainer's environment: an agent starts it again after a release or a crash
+LAUNCHED_ENV = "GREENSWARM_LAUNCHED"
+
+
+def trainer_command(
+    config: str, initial_peers: list[str] | None, overrides: list[str], run_dir: str
+) -> list[str]:
+    """The trainer's command line: this node's own, with no supervisor of its own (the agent is)."""
+    cmd = [sys.executable, "-m", "greenswarm", "node", "--config", config, "--run-dir", run_dir]
+    if initial_peers:
+        cmd += ["--initial-peers", *initial_peers]
+    for item in [*overrides, "node.restart=never", "node.launcher=local"]:
+        cmd += ["--set", item]
+    return cmd
+
+
+def expand(template: str, **values: str) -> str:
+    """``template`` with its ``{name}`` placeholders filled."""
+    return template.format(**values)
+
+
+def run_command_launcher(
+    start: str,
+    stop: str | None,
+    values: dict[str, str],
+    released: Callable[[Callable[[], bool]], bool],
+    max_restarts: int,
+    window_s: float,
+) -> int:
+    """Run the trainer through the operator's ``start`` command until it ends for good (see the
+    module's docstring); the agent's exit status."""
+    stopping: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        if proc is None or proc.poll() is not None:
+            return
+        if stop:
+            subprocess.run(expand(stop, **values, signal=str(signum)), shell=True, check=False)
+        else:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    crashes = CrashBudget(max_restarts, window_s)
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        while True:
+            env = dict(os.environ, **{LAUNCHED_ENV: "1"})
+            proc = subprocess.Popen(expand(start, **values), shell=True, start_new_session=True, env=env)
+            code = _wait(proc)
+            proc = None
+            if stopping:
+                return code if code >= 0 else 128 + stopping[0]
+            if code == RELEASED_EXIT:
+                if while_released(released, stopping):
+                    continue
+                return 128 + stopping[0] if stopping else 0
+            killed = -code if code < 0 else code - 128 if code > 128 else 0
+            if not killed or killed >= signal.NSIG:
+                return code
+            if not crashes.allow(signal.Signals(killed).name):
+                return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """The command's status, however many forwarded signals interrupt the wait."""
+    while True:
+        try:
+            return proc.wait()
+        except InterruptedError:
+            continue
