@@ -287,3 +287,25 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     with caplog.at_level("WARNING"):
         assert r.resume(T0 + 5 * H + 10, lambda: "xyz")
     assert "is not the state released" in caplog.text
+
+
+def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> None:
+    from greenswarm.node.config import load_site_config
+
+    base = ["name=s", "region=A"]
+    with pytest.raises(ConfigError, match=r"node\.start_command: launcher: command needs"):
+        load_site_config(None, [*base, "node.launcher=command"])
+    with pytest.raises(ConfigError, match=r"node\.start_command: .*unknown placeholder.*\{trainer\}"):
+        load_site_config(None, [*base, "node.launcher=command", "node.start_command=ssh gpu1 {trainr}"])
+    with pytest.raises(ConfigError, match=r"node\.launcher: must be one of"):
+        load_site_config(None, [*base, "node.launcher=slurm"])
+    cfg = load_site_config(
+        None,
+        [
+            *base,
+            "node.launcher=command",
+            "node.start_command=ssh gpu1 {trainer}",
+            "node.stop_command=kill -{signal} x",
+        ],
+    )
+    assert cfg.node.launcher == "command"
