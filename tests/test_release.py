@@ -162,12 +162,35 @@ def test_never_is_the_node_as_it_was_and_released_draw_is_charged() -> None:
     assert warm["energy_kwh"] - idle["energy_kwh"] == pytest.approx(0.1 * released_h)
 
 
-def test_a_site_launched_outside_a_window_waits_released() -> None:
+def test_a_site_launched_outside_a_window_releases_by_the_rule() -> None:
+    """As the node does: its trainer starts, holds for the rule's wait, checkpoints and ends; the
+    agent starts it again at the window's very start."""
     trace = hourly(A=[200, 200, 50, 50, 200])
-    rep = simulate(trace, ["A"], releasing(), work_h=1.0).report
+    p = releasing()
+    hold = 0.5 * ReleaseRule(p.release, 2.024, 0.468).break_even_s
+    rep = simulate(trace, ["A"], p, work_h=1.0).report
     (site,) = rep["sites"]
-    assert site["released_hours"] == pytest.approx(2.0) and site["idle_hours"] == 0.0
+    assert site["idle_hours"] == pytest.approx(hold / H)
+    assert site["released_hours"] == pytest.approx(2.0 - (hold + 5) / H)
     assert site["restarts"] == 1 and rep["wall_hours"] == pytest.approx(3 + 30 / H)
+
+
+def test_a_restart_longer_than_its_window_is_booked_once() -> None:
+    """A 15-minute window and a 1 h restart: the restart runs to its end past the window (as the
+    node's does), no time is booked twice, and the next gap starts after it."""
+    t = T0 + np.arange(8) * 900.0
+    trace = Trace.from_columns(t, {"A": np.array([50.0, 300, 300, 300, 50, 300, 300, 300])}, "short")
+    rep = simulate(trace, ["A"], releasing("idle", "release.restart_s=3600")).report
+    (site,) = rep["sites"]
+    booked = sum(site[k] for k in ("train_hours", "idle_hours", "released_hours", "restart_hours"))
+    assert booked <= (trace.end - trace.start) / H + 1e-9
+    assert site["restarts"] == 1
+
+
+def test_a_region_without_a_window_never_trains_nor_fails() -> None:
+    trace = hourly(A=[50, 50, 200], B=[200, 200, 200])
+    rep = simulate(trace, ["A", "B"], releasing()).report
+    assert [s["restarts"] for s in rep["sites"]] == [0, 0] and rep["sites"][1]["energy_kwh"] == 0.0
 
 
 def test_release_settings_are_validated_by_name() -> None:
@@ -284,9 +307,37 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     assert restart[0]["state_digest"] == restart[0]["state_digest_after"] == "abc"
     # a checkpoint replaced in between: the site goes on, and says so
     r.release(T0 + 5 * H, T0 + 5 * H, 0.5, "abc")
+    entry = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**entry, "restart_clock": T0 + 5 * H + 5, "restart_wall": 0.0}))
     with caplog.at_level("WARNING"):
         assert r.resume(T0 + 5 * H + 10, lambda: "xyz")
     assert "is not the state released" in caplog.text
+    r.restart_missed()  # the window closed before the first step: a crash now is any crash
+    assert not marker.exists() and r.restart is None
+
+
+def test_a_stale_release_marker_books_nothing(tmp_path: Path) -> None:
+    """The agent ended while released (no restart noted), or a checkpoint came after the release:
+    the next start books nothing from the marker, and drops it."""
+    r, ledger = releaser(tmp_path, "idle")
+    ledger.advance(T0 + 2 * H, SiteState.SOLO)
+    r.release(T0 + 2 * H, T0 + 2 * H, 0.5, "abc")
+    marker = r.run_dir / "released.json"
+    assert not r.resume(T0 + 30 * H, lambda: "abc") and not marker.exists()
+    assert ledger.seconds["RELEASED"] == ledger.seconds["RESTARTING"] == 0.0
+    r.release(T0 + 2 * H, T0 + 2 * H, 0.5, "abc")
+    entry = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**entry, "restart_clock": T0 + 4 * H, "restart_wall": 0.0}))
+    ledger.advance(T0 + 3 * H, SiteState.IDLE)  # a later checkpoint's ledger
+    assert not r.resume(T0 + 4 * H, lambda: "abc") and not marker.exists()
+
+
+def test_no_release_when_no_window_is_left(tmp_path: Path) -> None:
+    """The last window has closed: the trainer finishes the run now (its last evaluation and
+    summary) instead of releasing for a restart that never comes, or holding until the trace ends."""
+    r, _ = releaser(tmp_path, "idle")
+    r.plan(T0 + 5 * H)  # after the last window [4 h, 5 h)
+    assert r.planned and r.release_at == math.inf and r.finishing
 
 
 def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> None:

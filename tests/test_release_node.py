@@ -57,6 +57,7 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
     swarm.node("site", swarm.write_config("site", cfg))
     swarm.start_replay(["site"], start_file)
     agent = psutil.Process(swarm.procs["site"].pid)
+    agent_rss = agent.memory_info().rss  # with its imports, before any release (no model: a meta one)
     journal = run_dir / "releases.jsonl"
 
     def events(kind: str) -> list[dict]:
@@ -74,8 +75,10 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
 
     wait_until(released, 60, "the first release")
     wait_until(lambda: not _trainers(agent), 15, "the trainer and its daemons to end")
-    if not events("restart"):  # (still released: the agent alone, holding no model)
-        assert agent.memory_info().rss < max(rss), (agent.memory_info().rss, max(rss))
+    # the agent alone holds no model: it keeps its imports (for a fast fork), and grew by no more
+    # than the schedule it reads meanwhile; the trainer held the model, its optimizer and the swarm
+    grown = agent.memory_info().rss - agent_rss
+    assert grown < 64 * 2**20, (grown, agent_rss, max(rss))
 
     # the trainer killed while it starts: forked again at once, from the same release
     deadline = time.monotonic() + 60
@@ -151,9 +154,8 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     wait_until(lambda: read_json_lines(journal_a), 60, "site-a's first release")
     shown = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json")
     assert shown.returncode == 0, shown.stderr
-    if not [e for e in read_json_lines(journal_a) if e["event"] == "restart"]:  # (still released)
-        (a,) = [r for r in json.loads(shown.stdout) if r["site"] == "site-a"]
-        assert a["state"] == "RELEASED" and a["next_start"] == load_trace(str(trace_path)).start + 2 * 3600
+    rows = [r for r in json.loads(shown.stdout) if r["site"] == "site-a" and r["state"] == "RELEASED"]
+    assert [r["next_start"] for r in rows] == [load_trace(str(trace_path)).start + 2 * 3600], shown.stdout
     assert time.time() - start_wall < HOURS * 3600 / SPEEDUP, "the replay ended before the check"
     for name in names.values():
         assert swarm.wait(name, timeout=HOURS * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
@@ -162,7 +164,8 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     for name in names.values():
         journal = read_json_lines(runs / name / "releases.jsonl")
         restarts = [e for e in journal if e["event"] == "restart"]
-        assert len(restarts) == 1 and len([e for e in journal if e["event"] == "release"]) == 2, journal
+        # (one release: after the last window the trainer finishes instead)
+        assert len(restarts) == 1 and len([e for e in journal if e["event"] == "release"]) == 1, journal
         assert all(e["state_digest"] == e["state_digest_after"] for e in restarts), restarts
         first_restart[name] = min(
             e["wall"] for e in journal if e["event"] == "release"

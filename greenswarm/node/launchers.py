@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 
 from greenswarm.node.releasing import RELEASED_EXIT
-from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget, while_released
+from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget
 
 log = logging.getLogger("greenswarm.launcher")
 
@@ -80,16 +80,18 @@ def run_command_launcher(
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         while True:
+            if stopping:  # asked to stop while no trainer ran
+                return 0
             env = dict(os.environ, **{LAUNCHED_ENV: "1"})
             proc = subprocess.Popen(expand(start, **values), shell=True, start_new_session=True, env=env)
             code = _wait(proc)
             proc = None
             if stopping:
-                return code if code >= 0 else 128 + stopping[0]
+                return 0 if code == RELEASED_EXIT else code if code >= 0 else 128 + stopping[0]
             if code == RELEASED_EXIT:
-                if while_released(released, stopping):
+                if released(lambda: bool(stopping)) and not stopping:
                     continue
-                return 128 + stopping[0] if stopping else 0
+                return 0  # the end while released: the trace, node.stop_at, or a stop
             killed = -code if code < 0 else code - 128 if code > 128 else 0
             if not killed or killed >= signal.NSIG:
                 return code

@@ -34,8 +34,15 @@ from greenswarm.jsonlines import read_json_lines
 from greenswarm.private_files import write_private
 from greenswarm.scheduler.energy import EnergyLedger
 from greenswarm.scheduler.policy import WindowSchedule
-from greenswarm.scheduler.release import ReleaseDecision, ReleaseRule, enter_level, expected_gap_s
+from greenswarm.scheduler.release import (
+    ReleaseDecision,
+    ReleaseRule,
+    enter_level,
+    expected_gap_s,
+    release_forecaster,
+)
 from greenswarm.scheduler.state import SiteState
+from greenswarm.timefmt import parse_instant
 
 if TYPE_CHECKING:
     from greenswarm.node.config import SiteConfig
@@ -82,7 +89,10 @@ class Releaser:
         if self.off is not None and cfg.release.mode != "never":
             log.warning("release.mode is %s, but the site holds its trainer: %s", cfg.release.mode, self.off)
         self.decision: ReleaseDecision | None = None
+        self.planned = False  # this gap's release is planned (or decided against)
+        self.finishing = False  # no window is left: the node finishes its run now
         self.release_at = math.inf  # clock time at which the planned release is due
+        self.stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
         self.released = False  # the node is ending for a release
         self.restart: dict[str, Any] | None = None  # the marker this start resumed from a release
         self._phases: dict[str, float] = {"trainer process started": time.time()}  # wall times
@@ -109,20 +119,30 @@ class Releaser:
         ][-RECENT_RESTARTS:]
         return statistics.median(measured) if measured else self.cfg.release.restart_s
 
-    def plan(self, now: float) -> None:
-        """The site has just left a window: decide how long to hold before releasing, and say why."""
-        self.release_at = math.inf
+    def plan(self, now: float, after_window: bool = True) -> None:
+        """The site is outside a window (it has just left one; or, ``after_window`` False, it started
+        outside one): decide how long to hold before releasing, and say why -- a gap that does not
+        follow a window as ``auto`` decides it. With no window left before the run ends, the trainer
+        finishes now (its last evaluation and summary) instead of waiting for the end."""
+        self.release_at, self.planned = math.inf, True
         if self.off is not None:
             return
         assert isinstance(self.schedule, WindowSchedule)
+        nxt = self.schedule.next_window(now)
+        ends = self.cfg.node.stop_at_trace_end or math.isfinite(self.stop_at)
+        if ends and (nxt is None or nxt.start >= self.stop_at):
+            self.finishing = True
+            self.log.info("release: no window is left before the run ends: the trainer finishes now")
+            return
         rule = self.rule()
         gap = None
-        forecaster = self.cfg.scheduler.deadline_forecaster()
-        if self.cfg.release.mode == "auto" and getattr(forecaster, "past_only", True):
+        mode = self.cfg.release.mode if after_window else "auto"
+        forecaster = release_forecaster(self.cfg.scheduler, mode)
+        if forecaster is not None:
             trace, region = self.schedule.trace, self.cfg.region
             level = enter_level(self.cfg.scheduler.window_policy(), trace, region)
             gap = expected_gap_s(forecaster, trace, region, now, level)
-        self.decision = rule.decide(gap)
+        self.decision = rule.decide(gap, mode)
         self.release_at = now + self.decision.hold_s
         self.log.info("release: %s", self.decision.reason)
 
@@ -144,7 +164,7 @@ class Releaser:
 
     def cancel(self) -> None:
         """The site is in a window again before its release was due."""
-        self.release_at = math.inf
+        self.release_at, self.planned = math.inf, False
 
     def due(self, now: float) -> bool:
         return now >= self.release_at
@@ -184,7 +204,16 @@ class Releaser:
             entry = json.loads(marker.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return False
-        restart_at = float(entry.get("restart_clock", now))
+        current = (
+            self.off is None
+            and isinstance(entry.get("restart_clock"), int | float)
+            and isinstance(entry.get("restart_wall"), int | float)
+            and self.ledger.t <= float(entry.get("released_clock", math.inf)) + 1e-6
+        )
+        if not current:  # the agent ended while released, or a checkpoint came after this release
+            marker.unlink(missing_ok=True)
+            return False
+        restart_at = float(entry["restart_clock"])
         # the release's checkpoint was written holding the GPUs; released from then to the restart
         self.ledger.advance(min(float(entry.get("released_clock", 0.0)), now), SiteState.IDLE)
         self.ledger.advance(min(restart_at, now), SiteState.RELEASED)
@@ -205,6 +234,19 @@ class Releaser:
         its seconds went."""
         self._phases[phase] = time.time()
 
+    def restart_missed(self) -> None:
+        """The window closed before the restarted trainer's first step: this restart is over (a
+        crash from here on is booked as any crash is), and the gap's release is planned afresh."""
+        if self.restart is not None:
+            self.restart = None
+            (self.run_dir / MARKER).unlink(missing_ok=True)
+            self.log.info("release: the window closed before the restarted trainer's first step")
+
+    def ended(self) -> None:
+        """The trainer stops for good (a stop, the trace's end): no restart is pending."""
+        self.restart = None
+        (self.run_dir / MARKER).unlink(missing_ok=True)
+
     def first_step(self, now: float) -> None:
         """The restarted trainer took its first step: journal how long the restart took. The marker
         goes only now: a trainer killed while it starts is started again, from the same release."""
@@ -212,13 +254,13 @@ class Releaser:
             return
         entry, self.restart = self.restart, None
         (self.run_dir / MARKER).unlink(missing_ok=True)
-        began = float(entry.get("restart_wall", time.time()))
+        began = float(entry["restart_wall"])
         self.mark("first step")
         seconds = self._phases["first step"] - began
         phases, last = {}, began
         for phase, t in self._phases.items():  # (in the order they happened)
             phases[phase], last = round(t - last, 3), t
-        released_s = float(entry.get("restart_clock", now)) - float(entry.get("clock", now))
+        released_s = float(entry["restart_clock"]) - float(entry.get("released_clock", entry["clock"]))
         _append(
             self.run_dir / JOURNAL,
             {
@@ -249,7 +291,7 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
     again), or for a stop, the trace's end or ``node.stop_at`` (False). Reads the same schedule and
     clock as the node (a replay's ``start_wall`` is pinned before the first fork)."""
     from greenswarm.scheduler.site_schedule import site_schedule
-    from greenswarm.timefmt import parse_instant, utc_minute
+    from greenswarm.timefmt import utc_minute
 
     schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
     stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
@@ -257,6 +299,7 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
     while not stopped():
         now = clock.now()
         if (cfg.node.stop_at_trace_end and now >= schedule.end) or now >= stop_at:
+            marker.unlink(missing_ok=True)  # (the run ends released: its checkpoint holds the state)
             return False
         if schedule.in_window(now):
             try:
@@ -268,6 +311,6 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
             log.info("window opens (%s): starting the trainer again", utc_minute(now))
             return True
         nxt = schedule.next_window(now)
-        target = min(nxt.start if nxt else schedule.end, now + cfg.scheduler.poll_s, stop_at)
+        target = min(nxt.start if nxt else max(schedule.end, now), now + cfg.scheduler.poll_s, stop_at)
         clock.sleep_until(target, max_wall_s=cfg.node.idle_wall_s)
     return False

@@ -36,8 +36,6 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
     from greenswarm.node.releasing import wait_for_window
     from greenswarm.node.supervisor import supervise
 
-    pin_replay_start(cfg)
-
     def node() -> int:
         try:
             return _run_site(cfg, config, supervised=True)
@@ -47,11 +45,15 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         except KeyboardInterrupt:
             return 130
 
+    def preload() -> None:
+        _preload(cfg)
+        pin_replay_start(cfg)  # (after the imports: the replay starts when the first node can)
+
     return supervise(
         node,
         cfg.node.max_restarts,
         cfg.node.restart_window_s,
-        preload=lambda: _preload(cfg),
+        preload=preload,
         released=lambda stopped: wait_for_window(cfg, stopped, log),
     )
 

@@ -171,6 +171,10 @@ class SiteNode:
                 self.log.info("the deadline plan's work is done: stopping")
                 break
             if state is IDLE:
+                if not self.releaser.planned:  # (a site started, or restarted after a crash, in a gap)
+                    self.releaser.plan(now, after_window=False)
+                if self.releaser.finishing:
+                    break
                 if self.releaser.due(now):
                     self._releasing = True
                     break
@@ -210,6 +214,8 @@ class SiteNode:
             elif new is IDLE and old is SOLO and self.stats.tokens_since_sync:
                 self._end_round(SOLO)  # the only site in a window: bank its progress as it leaves
             if new is IDLE:
+                if old is RESTARTING:
+                    self.releaser.restart_missed()
                 self._save_and_release("its window closed")
                 self.releaser.plan(now)
             self._report(force=True)
@@ -612,6 +618,7 @@ class SiteNode:
         return self._slot_of(self.clock.now()) > self._slot
 
     def _finish(self) -> dict[str, Any]:
+        self.releaser.ended()
         self._finish_round()
         now = self.clock.now()
         if self.state is SOLO and self.stats.tokens_since_sync:

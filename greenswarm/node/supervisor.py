@@ -68,6 +68,7 @@ def supervise(
     child = 0
 
     def forward(signum: int, _frame: object) -> None:
+        """Pass a stop to the node, or note it while there is none (between nodes, while released)."""
         stopping.append(signum)
         if child:
             try:
@@ -76,41 +77,47 @@ def supervise(
                 pass
 
     crashes = CrashBudget(max_restarts, window_s)
-    while True:
-        _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
-        child = os.fork()
-        if child == 0:  # the node
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_DFL)
-            code = 1
-            try:
-                fresh_future_locks()  # not the ones a killed predecessor's helper may have died holding
-                code = run_node()
-            except BaseException:  # a crash: say where, as Python would have
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-        status = _wait(child)
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}  # for this whole life
+    try:
+        while True:
+            _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
+            if stopping:  # asked to stop while no node ran (after a release, or between two)
+                return 0
+            child = os.fork()
+            if child == 0:  # the node
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
+                code = 1
+                try:
+                    fresh_future_locks()  # not the ones a killed predecessor's helper may have died holding
+                    code = run_node()
+                except BaseException:  # a crash: say where, as Python would have
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            status = _wait(child)
+            child = 0  # (a stop signal from here on has no node to go to)
+            reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
+            _collect_exited()
+            if os.WIFEXITED(status):
+                code = os.WEXITSTATUS(status)
+                if code != RELEASED_EXIT or released is None:
+                    return code
+                if stopping:  # the node released (its state is on disk) as the stop came
+                    return 0
+                if released(lambda: bool(stopping)) and not stopping:
+                    continue
+                return 0  # the end while released: the trace, node.stop_at, or a stop
+            signum = os.WTERMSIG(status)
+            if stopping:  # we were asked to stop and passed it on: the node is gone, so are we
+                return 128 + stopping[0]
+            if not crashes.allow(signal.Signals(signum).name):
+                return 1
+    finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
-        _collect_exited()
-        child = 0  # (a stop signal from here on has no node to go to)
-        if os.WIFEXITED(status):
-            code = os.WEXITSTATUS(status)
-            if code == RELEASED_EXIT and released is not None and not stopping:
-                if while_released(released, stopping):
-                    continue
-                return 128 + stopping[0] if stopping else 0
-            return code
-        signum = os.WTERMSIG(status)
-        if stopping:  # we were asked to stop and passed it on: the node is gone, so are we
-            return 128 + stopping[0]
-        if not crashes.allow(signal.Signals(signum).name):
-            return 1
 
 
 class CrashBudget:
@@ -141,20 +148,6 @@ class CrashBudget:
             self.window_s,
         )
         return True
-
-
-def while_released(released: Callable[[Callable[[], bool]], bool], stopping: list[int]) -> bool:
-    """Wait out a release (see :func:`supervise`) with the stop signals noted, not fatal."""
-
-    def note(signum: int, _frame: object) -> None:
-        stopping.append(signum)
-
-    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
-    try:
-        return released(lambda: bool(stopping)) and not stopping
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _collect_exited() -> None:

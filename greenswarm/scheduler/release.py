@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from greenswarm.errors import ConfigError
 from greenswarm.scheduler.forecast import Forecaster
 from greenswarm.scheduler.policy import HysteresisPolicy, WindowPolicy
 from greenswarm.traces.trace import Trace
+
+if TYPE_CHECKING:
+    from greenswarm.scheduler.config import SchedulerConfig
 
 ReleaseMode = Literal["never", "idle", "auto"]
 RELEASE_MODES: tuple[str, ...] = get_args(ReleaseMode)
@@ -130,10 +133,12 @@ class ReleaseRule:
             return math.inf
         return self.restart_kwh * 3600.0 / saved_kw
 
-    def decide(self, expected_gap_s: float | None) -> ReleaseDecision:
+    def decide(self, expected_gap_s: float | None, mode: str | None = None) -> ReleaseDecision:
         """How long to wait before releasing, at the start of a gap the forecaster expects to last
-        ``expected_gap_s`` seconds (None: no forecast)."""
-        mode, b = self.config.mode, self.break_even_s
+        ``expected_gap_s`` seconds (None: no forecast); ``mode`` in place of the config's (a gap
+        that does not follow a window is decided as ``auto`` would: ``idle`` releases at windows'
+        ends)."""
+        mode, b = mode or self.config.mode, self.break_even_s
         if mode == "never":
             return ReleaseDecision(math.inf, "release.mode is never", expected_gap_s)
         if not math.isfinite(b):
@@ -164,6 +169,16 @@ class ReleaseRule:
 
 def _hours(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 3600 else f"{seconds / 3600.0:.1f} h"
+
+
+def release_forecaster(scheduler: SchedulerConfig, mode: str) -> Forecaster | None:
+    """The forecaster ``auto`` consults: the site's own (``scheduler.forecast``), when it uses only
+    the past -- one that reads the future (oracle, noisy) is not one a running site has. None: no
+    forecast (``mode`` is not ``auto``, or such a forecaster)."""
+    if mode != "auto":
+        return None
+    forecaster = scheduler.deadline_forecaster()
+    return forecaster if getattr(forecaster, "past_only", True) else None
 
 
 def enter_level(rule: WindowPolicy, trace: Trace, region: str) -> float:

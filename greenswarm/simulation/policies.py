@@ -35,7 +35,13 @@ import numpy as np
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
 from greenswarm.scheduler.config import ANCHOR_IDLE_KW, EnergyConfig, SchedulerConfig, check_number
-from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, enter_level, expected_gap_s
+from greenswarm.scheduler.release import (
+    ReleaseConfig,
+    ReleaseRule,
+    enter_level,
+    expected_gap_s,
+    release_forecaster,
+)
 from greenswarm.simulation.engine import Segments, SiteRun, split_federated
 from greenswarm.simulation.intervals import as_intervals, subtract
 from greenswarm.traces.trace import Trace
@@ -236,11 +242,16 @@ def site_run(
     run = SiteRun(name, region)
     end = max(start, decide.end)
     if p.powered == "always" and policy.release.mode != "never":
+        wake = np.maximum(raw[:, 0], start)  # the agent wakes at a window's very start
         outside = not len(raw) or raw[0, 0] > start  # launched outside a window (not merely before a poll)
-        gaps = release_gaps(decide, region, policy, enter, leave, start, end, outside)
-        starts = enter + np.where(gaps.restarted, policy.release.restart_s, p.startup_s)
+        gaps = release_gaps(decide, region, policy, enter, leave, wake, start, end, outside)
+        opens = np.where(gaps.restarted, wake, enter)
+        starts = opens + np.where(gaps.restarted, policy.release.restart_s, p.startup_s)
         training = as_intervals(np.column_stack([starts, leave]))
-        restarting = as_intervals(np.column_stack([enter, starts])[gaps.restarted])
+        # a restart runs to its end (the node books it RESTARTING until its first decision), even
+        # past a window that closed meanwhile
+        restarting = as_intervals(np.column_stack([opens, starts])[gaps.restarted])
+        powered = as_intervals(np.column_stack([opens, leave]))
         run.segments.append(Segments("train", training, e.train_kw, 1.0))
         run.segments.append(Segments("restart", subtract(restarting, training), e.train_kw, 0.0))
         run.segments.append(
@@ -276,48 +287,52 @@ def release_gaps(
     policy: PolicyConfig,
     enter: np.ndarray,
     leave: np.ndarray,
+    wake: np.ndarray,
     start: float,
     end: float,
     launched_outside: bool = True,
 ) -> ReleaseGaps:
     """Apply the node's release rule (:class:`~greenswarm.scheduler.release.ReleaseRule`) to each
-    gap between the windows ``[enter, leave)``, deciding at the gap's start with only what the site
-    knows then: its forecaster (``scheduler.forecast``) on the trace up to that instant. A site that
-    starts outside a window (``launched_outside``) starts released (its agent runs; its trainer
-    waits for the window); one launched in a window holds until it has noticed it."""
+    gap between the windows ``[enter, leave)`` as the node does (:mod:`greenswarm.node.releasing`):
+    deciding at the gap's start with only what the site knows then (its past-only forecaster on the
+    trace up to that instant); a released site's agent wakes at the next window's very start
+    (``wake``) and restarts the trainer, whose restart runs to its end even past a window that
+    closed meanwhile. A site launched outside a window starts its trainer, which releases by the
+    same rule; one launched in a window holds until it has noticed it; after the last window the
+    trainer finishes (the run has nothing left for it) and draws nothing."""
     e, r = policy.energy, policy.release
     rule = ReleaseRule(r, e.train_kw, e.idle_kw, e.released_kw)
-    forecaster = policy.scheduler.deadline_forecaster() if r.mode == "auto" else None
+    forecasters = {m: release_forecaster(policy.scheduler, m) for m in (r.mode, "auto")}
     level = enter_level(policy.scheduler.window_policy(), decide, region)
     held, ckpt, released = [], [], []
     restarted = np.zeros(len(enter), dtype=bool)
-    last = start  # the end of the last window: where the next gap starts
+    last = start  # where the next gap starts: the end of the last window (or of its restart)
     for i in range(len(enter) + 1):
         g0, g1 = last, (enter[i] if i < len(enter) else end)
-        if i < len(enter):
-            last = max(last, leave[i])
-        if g1 <= g0:
-            continue
-        if i == 0 and g0 == start:  # before the first window: nothing to release
-            if launched_outside:
-                released.append((g0, g1))
-                restarted[0] = True
+        if g1 > g0 and i < len(enter):  # (after the last window the trainer finishes: no draw)
+            first = i == 0 and g0 == start  # (a gap that follows no window is decided as auto would)
+            if first and not launched_outside:
+                held.append((g0, g1))  # it has not yet noticed the window it was launched in
             else:
-                held.append((g0, g1))
-            continue
-        hold = rule.break_even_s  # a gap no longer than the least hold is held whatever the forecast
-        if g1 - g0 > r.trust * hold or r.mode == "idle":
-            gap = None if forecaster is None else expected_gap_s(forecaster, decide, region, g0, level)
-            hold = rule.decide(gap).hold_s
-        if g0 + hold >= g1:
-            held.append((g0, g1))
-            continue
-        off = g0 + hold
-        held.append((g0, off))
-        ckpt.append((off, min(off + r.checkpoint_s, g1)))
-        released.append((min(off + r.checkpoint_s, g1), g1))
+                mode = "auto" if first else r.mode
+                hold = rule.break_even_s  # a gap no longer than the least hold is held whatever
+                if g1 - g0 > r.trust * hold or mode == "idle":
+                    forecaster = forecasters[mode]
+                    gap = (
+                        None if forecaster is None else expected_gap_s(forecaster, decide, region, g0, level)
+                    )
+                    hold = rule.decide(gap, mode).hold_s
+                if g0 + hold >= g1:
+                    held.append((g0, g1))
+                else:
+                    off = g0 + hold
+                    done = min(off + r.checkpoint_s, wake[i])
+                    held.append((g0, off))
+                    ckpt.append((off, done))
+                    released.append((done, wake[i]))
+                    restarted[i] = True
         if i < len(enter):
-            restarted[i] = True
+            last = max(last, leave[i], wake[i] + r.restart_s if restarted[i] else leave[i])
     return ReleaseGaps(as_intervals(held), as_intervals(ckpt), as_intervals(released), restarted)
 
 
