@@ -133,8 +133,9 @@ class History:
             "threshold": self._threshold(node, trace, now),
             "energy_kwh": ledger.energy_kwh,
             "emissions_g": ledger.emissions_g,
-            "idle_kwh": ledger.kwh[SiteState.IDLE.value],
-            "idle_g": ledger.grams[SiteState.IDLE.value],
+            # not training: waiting (IDLE), released, restarting
+            "idle_kwh": sum(v for k, v in ledger.kwh.items() if k not in TRAINING),
+            "idle_g": sum(v for k, v in ledger.grams.items() if k not in TRAINING),
             "trained_s": sum(ledger.seconds[s] for s in TRAINING),
         }
 

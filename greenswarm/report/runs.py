@@ -93,10 +93,12 @@ class SiteRun:
         return float(self.points[-1].get("trained_s", 0.0)) if self.points else 0.0
 
     def emissions_split(self) -> tuple[float | None, float | None]:
-        """(grams while training, grams while IDLE), from the summary or the last history point."""
+        """(grams while training, grams while not: IDLE, RELEASED, RESTARTING), from the summary or
+        the last history point."""
         by_state = (self.summary or {}).get("emissions_g_by_state")
         if by_state:
-            return sum(float(by_state.get(s, 0.0)) for s in TRAINING), float(by_state.get("IDLE", 0.0))
+            trained = sum(float(by_state.get(s, 0.0)) for s in TRAINING)
+            return trained, sum(float(v) for s, v in by_state.items() if s not in TRAINING)
         if self.points:
             last = self.points[-1]
             return last["emissions_g"] - last.get("idle_g", 0.0), last.get("idle_g", 0.0)

@@ -28,7 +28,8 @@ Its cost is at most ``(1 + lambda)`` x the hindsight optimum when the forecast i
 ``(1 + 1 / lambda)`` x whatever the forecast says (with ``lambda = 1`` the forecast is ignored and it is
 the classic rule). The default ``lambda = 0.5`` costs at most 1.5x when the forecast is right and 3x
 when it is wrong; the restart of a small trainer is a minute or two of training power, so in
-practice a site waits well under a minute before giving its GPUs back on a long dirty spell.
+practice a site waits about a minute (67 s with the defaults) before giving its GPUs back on a long
+dirty spell.
 
 Energy, not carbon: the rule compares kWh. Carbon would weigh the idle kWh at the (dirty) gap's
 intensity and the restart's at the (clean) window's, which favours releasing even more; comparing
