@@ -32,7 +32,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
 #: on-crash: fork a new node at once when it dies by a signal; never: end with it
 Restart = Literal["on-crash", "never"]
-Launcher = Literal["local", "command"]
+Launcher = Literal["local", "command", "slurm"]
 #: the placeholders a ``node.start_command`` or ``node.stop_command`` may use (greenswarm.node.launchers)
 PLACEHOLDERS = ("trainer", "config", "run_dir", "site", "signal")
 #: the inner optimizer: AdamW with ``train.schedule``, or Schedule-Free AdamW (node/schedule_free.py)
@@ -170,7 +170,8 @@ class NodeConfig:
     ``launcher``: how the agent starts the trainer after a release (docs/release.md): ``local``
     forks it; ``command`` runs ``start_command`` (``{trainer}``, ``{config}``, ``{run_dir}``,
     ``{site}``) and stops it with a signal to its process group or ``stop_command`` (also
-    ``{signal}``); see :mod:`greenswarm.node.launchers`.
+    ``{signal}``); ``slurm`` submits it as a batch job (``sbatch --wait``, with ``sbatch_args``) and
+    cancels it with ``scancel``; see :mod:`greenswarm.node.launchers`.
     """
 
     run_dir: str = "runs/site"
@@ -196,6 +197,7 @@ class NodeConfig:
     launcher: Launcher = "local"  # how the agent starts the trainer (greenswarm.node.launchers)
     start_command: str | None = None  # launcher: command: runs the trainer, exits with its status
     stop_command: str | None = None  # launcher: command: ends it (default: a signal to its group)
+    sbatch_args: list[str] = field(default_factory=list)  # launcher: slurm: e.g. [--gres=gpu:4]
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")

@@ -10,6 +10,14 @@
   ``{signal}``, the signal's number), e.g. to cancel a batch job. Every trainer it starts is a fresh
   Python: its restarts pay for the imports (about 5 s here).
 
+* ``slurm``: the trainer is a Slurm batch job, so its GPUs go back to the cluster whenever it is
+  released: ``sbatch --wait`` (which exits with the job's status) submits it, named
+  ``greenswarm-<site>``, with ``node.sbatch_args`` (``--gres=gpu:4``, ``--partition=...``) and its
+  output in ``run_dir/slurm-<job>.out``; the job's script ``exec``s the trainer, so a stop is
+  ``scancel --batch --signal`` to that job name, and the job ends with the trainer's status.
+  A job that Slurm itself ends (a time limit, a preemption) ends by a signal, and is submitted again
+  like a crashed trainer.
+
 The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases; the agent
 then waits for the next window (:func:`~greenswarm.node.releasing.wait_for_window`) and starts it
 again. A trainer killed by a signal (the shell's status 128 + n) is started again, within
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,6 +58,18 @@ def trainer_command(
 def expand(template: str, **values: str) -> str:
     """``template`` with its ``{name}`` placeholders filled."""
     return template.format(**values)
+
+
+def slurm_commands(sbatch_args: list[str]) -> tuple[str, str]:
+    """The start and stop command templates of ``node.launcher: slurm`` (placeholders as for
+    ``command``)."""
+    start = (
+        "sbatch --wait --parsable --job-name=greenswarm-{site} --output={run_dir}/slurm-%j.out "
+        + " ".join(shlex.quote(a).replace("{", "{{").replace("}", "}}") for a in sbatch_args)
+        + " --wrap {trainer_wrap}"
+    )
+    stop = "scancel --batch --signal={signal} --name=greenswarm-{site}"  # (the trainer is the batch step)
+    return start, stop
 
 
 def run_command_launcher(
@@ -83,8 +104,11 @@ def run_command_launcher(
             if stopping:  # asked to stop while no trainer ran
                 return 0
             env = dict(os.environ, **{LAUNCHED_ENV: "1"})
-            proc = subprocess.Popen(expand(start, **values), shell=True, start_new_session=True, env=env)
+            command = expand(start, **values)
+            log.info("starting the trainer: %s", command)
+            proc = subprocess.Popen(command, shell=True, start_new_session=True, env=env)
             code = _wait(proc)
+            log.info("the trainer's command ended with status %d", code)
             proc = None
             if stopping:
                 return 0 if code == RELEASED_EXIT else code if code >= 0 else 128 + stopping[0]

@@ -28,7 +28,7 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.swarm.initial_peers = check_peers(initial_peers, "--initial-peers")
     if run_dir:
         cfg.node.run_dir = run_dir
-    if cfg.node.launcher == "command":
+    if cfg.node.launcher in ("command", "slurm"):
         return _run_launched(cfg, config, initial_peers, overrides)
     if cfg.node.restart == "never":
         return _run_site(cfg, config, supervised=bool(os.environ.get(LAUNCHED_ENV)))
@@ -59,20 +59,31 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
 
 
 def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None, overrides: list[str]) -> int:
-    """``node.launcher: command``: this process is the agent; the trainer runs through the operator's
-    command (:mod:`greenswarm.node.launchers`), on the agent's clock."""
-    from greenswarm.node.launchers import run_command_launcher, trainer_command
+    """``node.launcher: command`` or ``slurm``: this process is the agent; the trainer runs through
+    the operator's command or as a Slurm job (:mod:`greenswarm.node.launchers`), on the agent's
+    clock."""
+    from greenswarm.node.launchers import run_command_launcher, slurm_commands, trainer_command
     from greenswarm.node.releasing import wait_for_window
 
     pin_replay_start(cfg)
+    os.makedirs(cfg.node.run_dir, exist_ok=True)  # (a batch job's output goes there from its start)
     pinned = cfg.scheduler.clock.start_wall
     extra = [f"scheduler.clock.start_wall={pinned!r}"] if pinned is not None else []
     trainer = trainer_command(config, initial_peers, [*overrides, *extra], cfg.node.run_dir)
-    values = {"trainer": shlex.join(trainer), "config": config, "run_dir": cfg.node.run_dir, "site": cfg.name}
-    assert cfg.node.start_command is not None  # (validated)
+    values = {
+        "trainer": shlex.join(trainer),
+        "trainer_wrap": shlex.quote("exec " + shlex.join(trainer)),  # (sbatch --wrap's whole script)
+        "config": config,
+        "run_dir": os.path.abspath(cfg.node.run_dir),
+        "site": cfg.name,
+    }
+    if cfg.node.launcher == "slurm":
+        start, stop = slurm_commands(cfg.node.sbatch_args)
+    else:
+        start, stop = cfg.node.start_command or "", cfg.node.stop_command
     return run_command_launcher(
-        cfg.node.start_command,
-        cfg.node.stop_command,
+        start,
+        stop,
         values,
         released=lambda stopped: wait_for_window(cfg, stopped, log),
         max_restarts=cfg.node.max_restarts,
