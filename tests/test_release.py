@@ -349,7 +349,7 @@ def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"node\.start_command: .*unknown placeholder.*\{trainer\}"):
         load_site_config(None, [*base, "node.launcher=command", "node.start_command=ssh gpu1 {trainr}"])
     with pytest.raises(ConfigError, match=r"node\.launcher: must be one of"):
-        load_site_config(None, [*base, "node.launcher=slurm"])
+        load_site_config(None, [*base, "node.launcher=kubernetes"])
     cfg = load_site_config(
         None,
         [
@@ -360,3 +360,5 @@ def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> 
         ],
     )
     assert cfg.node.launcher == "command"
+    slurm = load_site_config(None, [*base, "node.launcher=slurm", "node.sbatch_args=[--gres=gpu:4]"])
+    assert slurm.node.sbatch_args == ["--gres=gpu:4"]
