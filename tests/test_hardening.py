@@ -167,11 +167,19 @@ def test_a_forged_state_is_refused_and_another_holder_serves_it(run: Run) -> Non
         if "refused the state served by" in line
     ]
     assert refusals, "no site saw a forged state"
-    # the server is named, with what was wrong with its state
+    # the server is named, with what was wrong with its state: its digest is not the signed one, or
+    # (a state served while the swarm stepped on: checked against fresh records, no live member
+    # attests its outer step any more) its position. Only the digest was accepted here until the
+    # last soak of issue 40 (docs/testing.md row 46): a's forged serve of step 2 reached n after
+    # every holder had stepped to 4, and was refused for that, before its digest was compared.
     assert all(
-        re.search(r"served by \w+ \(12D3KooW\w+\) for outer step \d+: its digest", line)
+        re.search(
+            r"served by \w+ \(12D3KooW\w+\) for outer step \d+: (its digest|no live member's record attests)",
+            line,
+        )
         for _, line in refusals
     )
+    assert any(": its digest" in line for _, line in refusals), refusals  # a forgery caught by its digest
     assert "caught up with" in run.logs["n"]
     # nobody ever held a state its lineage's holders did not sign: every site that held a state of one
     # outer step and lineage held the same bits (two groups formed at one boundary step two lineages)
