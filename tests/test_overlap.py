@@ -22,7 +22,7 @@ from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.ranks import SiteRanks
-from greenswarm.node.round_handling import RoundHandler, overlapped_matchmaking_s
+from greenswarm.node.round_handling import RoundHandler, overlapped_matchmaking_s, round_search_s
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.trainer import InnerTrainer
 from tests.test_rounds import (
@@ -226,3 +226,25 @@ def test_an_overlapped_round_looks_for_its_group_at_least_one_inner_step_long() 
     _wait_ready(handler_)
     handler_.finish()
     assert averager.calls[0]["matchmaking_s"] == 19.5
+
+
+def test_a_round_that_finds_no_group_gives_up_in_time_to_catch_up_before_the_next_boundary() -> None:
+    """A round's group stays open to latecomers for twice its matchmaking time, but closes one
+    matchmaking time before the next boundary (never sooner than the matchmaking time itself): a site
+    whose round found no group catches up between rounds and begins the next one when the others do.
+    The lock-in it prevents (docs/testing.md row 48): a 5-s replayed slot, a 2-s matchmaking time, a
+    site that began late after a void round searched 4 s, past the next boundary, so it began every
+    next round after the others' group had formed, and failed them all."""
+    assert round_search_s(5.0, 600.0) == 10.0  # a real slot: twice the matchmaking time
+    assert round_search_s(2.0, 4.5) == 2.5  # a replayed slot: ends 2 s before the next boundary
+    assert round_search_s(2.0, 3.1) == 2.0  # began late: never less than the matchmaking time
+    assert round_search_s(2.0, 0.0) == 2.0
+    # the round hands it to the averager, blocking or in the background
+    for background in (True, False):
+        averager = HeldAverager(outcome(torch.full((N,), 0.1), members=[ME, B], slot=3))
+        handler_ = handler(federation(averager), global_state(1.0), FakeRanks(torch.full((N,), 0.5)))
+        averager.release.set()
+        handler_.begin(3, lambda: 1, background=background, matchmaking_s=2.0, search_s=2.6)
+        _wait_ready(handler_)
+        handler_.finish()
+        assert (averager.calls[0]["matchmaking_s"], averager.calls[0]["search_s"]) == (2.0, 2.6)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import psutil
 import pytest
 
 from greenswarm.jsonlines import read_json_lines
-from greenswarm.scheduler.clock import WAITING_FOR_START, write_start_file
 from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.release, pytest.mark.swarm, pytest.mark.faults]
@@ -192,87 +190,3 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     sim = simulate(trace, list(PAIR), policy, start=trace.start).report
     assert sim["restarts"] == 2
     assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)
-
-
-def test_the_command_launcher_runs_the_trainer_through_the_operators_command(
-    swarm: Swarm, tmp_path: Path
-) -> None:
-    """``node.launcher: command``: the agent runs ``node.start_command`` (here a shell that writes a
-    line and runs ``{trainer}``, the trainer's own command line); each trainer is a fresh process
-    that releases at its window's end and is started again at the next one."""
-    # the second window lasts to the trace's end (the test stops the site once it trained again): a
-    # fresh Python pays for its imports, 10-30 s here, hours of this clock
-    values = [50.0] * 2 + [300.0] * 2 + [50.0] * 60
-    trace = write_trace(tmp_path / "trace.csv", {"A": values}, step_s=900)
-    start_file = tmp_path / "start"
-    peers = swarm.bootstrap()
-    run_dir = tmp_path / "site"
-    starts = tmp_path / "starts.txt"
-    cfg = site_config(
-        "site", "A", trace, peers, run_dir, speedup=SPEEDUP, start_file=start_file, sync_s=600.0,
-        release={"mode": "idle"},
-        node={"launcher": "command", "start_command": f"echo {{site}} >> {starts} && exec {{trainer}}"},
-    )  # fmt: skip
-    swarm.node("site", swarm.write_config("site", cfg))
-    swarm.start_replay(["site"], start_file)
-
-    def restarts() -> list[dict]:
-        return [e for e in read_json_lines(run_dir / "releases.jsonl") if e["event"] == "restart"]
-
-    wait_until(restarts, 120, "the trainer's restart through the command")
-    os.kill(swarm.procs["site"].pid, signal.SIGTERM)  # the agent: it passes the stop to the command
-    assert swarm.wait("site", timeout=60) == 0, swarm.log("site")[-3000:]
-    (restart,) = restarts()
-    assert restart["state_digest"] == restart["state_digest_after"]
-    assert starts.read_text().split() == ["site", "site"]  # the first trainer, and the one restarted
-    assert "starting the trainer again" in swarm.log("site")
-
-
-@pytest.mark.slurm
-def test_the_slurm_launcher_gives_the_gpus_back_between_windows(swarm: Swarm, tmp_path: Path) -> None:
-    """``node.launcher: slurm`` on a real single-node Slurm (tests/slurm.py): the trainer is a batch
-    job; between windows no job of the site is queued or running (its resources are the cluster's),
-    and at the next window the agent submits it again and it resumes the state it released."""
-    from tests.slurm import single_node_slurm
-
-    with single_node_slurm(tmp_path / "slurm") as slurm_env:
-        swarm.env.update(slurm_env)
-        values = [50.0] * 2 + [300.0] * 2 + [50.0] * 60
-        trace = write_trace(tmp_path / "trace.csv", {"A": values}, step_s=900)
-        start_file = tmp_path / "start"
-        peers = swarm.bootstrap()
-        run_dir = tmp_path / "site"
-        cfg = site_config(
-            "site", "A", trace, peers, run_dir, speedup=SPEEDUP, start_file=start_file, sync_s=600.0,
-            release={"mode": "idle"}, node={"launcher": "slurm"},
-        )  # fmt: skip
-        swarm.node("site", swarm.write_config("site", cfg))
-
-        def job_output() -> str:
-            return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
-
-        def jobs() -> list[str]:
-            out = subprocess.run(
-                ["squeue", "-h", "-n", "greenswarm-site", "-o", "%i %T"],
-                env=swarm.env, capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            return out.stdout.split("\n")[:-1]
-
-        wait_until(lambda: WAITING_FOR_START in job_output(), 120, "the trainer's job to be ready")
-        assert len(jobs()) == 1, jobs()
-        write_start_file(start_file, time.time() + 0.5)
-        journal = run_dir / "releases.jsonl"
-
-        def events(kind: str) -> list[dict]:
-            return [e for e in read_json_lines(journal) if e.get("event") == kind]
-
-        wait_until(lambda: events("release"), 60, "the release")
-        wait_until(lambda: not jobs() or events("restart"), 30, "the released job to end")
-        if not events("restart") and "starting the trainer again" not in swarm.log("site"):
-            assert jobs() == []  # released: nothing of the site's in the cluster's queue
-        wait_until(lambda: events("restart"), 120, "the trainer's job submitted again")
-        (restart,) = events("restart")
-        assert restart["state_digest"] == restart["state_digest_after"]
-        os.kill(swarm.procs["site"].pid, signal.SIGTERM)  # the agent cancels the job with the signal
-        assert swarm.wait("site", timeout=90) == 0, swarm.log("site")[-3000:] + job_output()[-3000:]
-        assert len(list(run_dir.glob("slurm-*.out"))) == 2 and jobs() == []

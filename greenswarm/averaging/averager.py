@@ -158,14 +158,17 @@ class SwarmAverager(DecentralizedAverager):
         gather: dict[str, Any],
         matchmaking_s: float | None = None,
         interval_s: float | None = None,
+        search_s: float | None = None,
     ) -> RoundOutcome:
         """All-reduce ``delta`` (weighted) with a group of sites on ``lineage``; ``round_index`` is this
         site's round slot (the group's slot is the latest of its members', see :class:`RoundOutcome`).
         ``matchmaking_s``: how long this round looks for its group (``averaging.matchmaking_s`` if None);
-        it stays open to latecomers for up to twice that. ``interval_s``: the round interval in wall
-        seconds, over which claimed tokens are bounded (``averaging.sync_interval_s`` if None)."""
+        it stays open to latecomers for up to ``search_s`` (twice ``matchmaking_s`` if None; see
+        :func:`greenswarm.node.round_handling.round_search_s`). ``interval_s``: the round interval in
+        wall seconds, over which claimed tokens are bounded (``averaging.sync_interval_s`` if None)."""
         interval_s = self._cfg.sync_interval_s if interval_s is None else interval_s
         matchmaking_s = self._cfg.matchmaking_s if matchmaking_s is None else matchmaking_s
+        search_s = 2 * matchmaking_s if search_s is None else max(search_s, matchmaking_s)
         started = time.monotonic()
         control = None
         try:
@@ -201,20 +204,20 @@ class SwarmAverager(DecentralizedAverager):
                 },
                 weight=weight,
                 scheduled_time=get_dht_time() + matchmaking_s,
-                timeout=2 * matchmaking_s,
+                timeout=search_s,
                 # one attempt a round: a retried all-reduce would report only its own failure, hiding
                 # the one that ended the round; the next round is the retry
                 allow_retries=False,
                 wait=False,
             )
-            self._matchmaking_fault(control, matchmaking_s)
-            report = control.result(timeout=self._round_bound_s(matchmaking_s))
+            self._matchmaking_fault(control, search_s)
+            report = control.result(timeout=self._round_bound_s(search_s))
         except RoundFailed as e:  # the group formed, then the round failed: the report says how far it got
             return self._failed(e.reason, started, e.report, round_index)
         except Exception as e:  # hivemind reports failures as several exception types
             if control is not None and not control.done():  # our wait ran out: the process is gone or stuck
                 control.cancel()
-                silent = f"the averager process did not answer in {self._round_bound_s(matchmaking_s):.0f} s"
+                silent = f"the averager process did not answer in {self._round_bound_s(search_s):.0f} s"
                 return self._failed(silent, started)
             return self._failed(_describe(e), started)
         if not isinstance(report, RoundReport) or not report.gathered:
@@ -247,9 +250,10 @@ class SwarmAverager(DecentralizedAverager):
             report=report,
         )
 
-    def _round_bound_s(self, matchmaking_s: float) -> float:
-        """The longest a round can take when the averager process works: matchmaking, all-reduce, slack."""
-        return 2 * matchmaking_s + self._cfg.allreduce_timeout_s + 10.0
+    def _round_bound_s(self, search_s: float) -> float:
+        """The longest a round can take when the averager process works: the search for its group, the
+        all-reduce, slack."""
+        return search_s + self._cfg.allreduce_timeout_s + 10.0
 
     def _group_of(self, gathered: dict[str, Any], round_index: int) -> tuple[int, list[str], dict[str, str]]:
         """The group's slot (the latest of its members'), its admitted members and the updates every
@@ -283,11 +287,11 @@ class SwarmAverager(DecentralizedAverager):
             failed.residual = self._residual.clone()
         return failed
 
-    def _matchmaking_fault(self, control: Any, matchmaking_s: float) -> None:
+    def _matchmaking_fault(self, control: Any, search_s: float) -> None:
         """The ``matchmaking`` fault point: fire once the averager is looking for this round's group."""
         if not self._faults.armed("matchmaking"):
             return
-        deadline = time.monotonic() + 2 * matchmaking_s
+        deadline = time.monotonic() + search_s
         while control.stage.value < AveragingStage.LOOKING_FOR_GROUP.value and time.monotonic() < deadline:
             time.sleep(0.005)
         self._faults.hit("matchmaking")

@@ -47,6 +47,7 @@ class Averager(Protocol):
         gather: dict[str, Any],
         matchmaking_s: float | None = None,
         interval_s: float | None = None,
+        search_s: float | None = None,
     ) -> RoundOutcome: ...
 
 
@@ -150,10 +151,12 @@ class Federation:
         tokens: int,
         matchmaking_s: float | None = None,
         steps: int = 0,
+        search_s: float | None = None,
     ) -> RoundResult:
         """Average ``delta`` (this site's pseudo-gradient over ``tokens`` tokens and ``steps`` inner steps,
         taken in round ``slot``) with a group of up to ``partners`` other sites, and agree on the result.
-        ``matchmaking_s``: how long to look for the group (``averaging.matchmaking_s`` if None).
+        ``matchmaking_s``: how long to look for the group (``averaging.matchmaking_s`` if None);
+        ``search_s``: how long the group stays open to latecomers (twice that if None).
 
         The weighting (``averaging.weighting``, :mod:`greenswarm.averaging.weighting`) happens here and
         only here: what goes to the averager is in its units (``fednova``: per inner step), and what
@@ -183,6 +186,7 @@ class Federation:
             },
             matchmaking_s=matchmaking_s,
             interval_s=self.interval_s,
+            search_s=search_s,
         )
         outcome.residual = to_update_units(weighting, outcome.residual, steps)
         if outcome.members:

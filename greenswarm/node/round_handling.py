@@ -78,6 +78,7 @@ class RoundInFlight:
     partners: int  # the other sites in a window when it began (the group it expects)
     background: bool  # run on a thread of its own while the loop trains on
     matchmaking_s: float | None = None  # how long it looks for its group (None: the configured time)
+    search_s: float | None = None  # how long its group stays open to latecomers (None: 2x the above)
     future: Future[RoundResult] | None = None  # its result when in the background
     steps: int = 0  # inner steps taken since the snapshot
     # the group's step is on the global state already (applied on the round's thread as soon as the
@@ -103,6 +104,18 @@ def overlapped_matchmaking_s(
     overlapped round waits on its own thread, so waiting a step longer costs no training time."""
     longest = max(recent_steps_s, default=0.0)
     return max(configured_s, min(longest, sync_interval_s / 4))
+
+
+def round_search_s(matchmaking_s: float, until_boundary_s: float) -> float:
+    """How long a round's group stays open to latecomers: twice its matchmaking time, but ending one
+    matchmaking time before the next boundary (``until_boundary_s`` wall seconds away), and never
+    shorter than the matchmaking time itself.
+
+    Why: a round that finds no group must fail early enough for the site to catch up between rounds
+    and begin the next one at its boundary, when the others do. A search that ran past the boundary
+    (twice 2 s in a 5-s replayed slot) made the site begin every next round late, after the others'
+    group had formed: it failed that one too, for ever (docs/testing.md row 48)."""
+    return min(2.0 * matchmaking_s, max(matchmaking_s, until_boundary_s - matchmaking_s))
 
 
 def in_background(run: Callable[[], RoundResult]) -> Future[RoundResult]:
@@ -145,14 +158,16 @@ class RoundHandler:
         the lineage and carry its update in that round a second time)."""
         return federated or self.sync.pending_round is not None
 
-    def end(self, federated: bool, slot: int, partners: Callable[[], int]) -> RoundEnd:
+    def end(
+        self, federated: bool, slot: int, partners: Callable[[], int], search_s: float | None = None
+    ) -> RoundEnd:
         """End round ``slot`` and wait for it: alone, or (``federated``) with the ``partners()`` other
-        sites in a window, asked right before averaging."""
+        sites in a window, asked right before averaging (``search_s``: see :meth:`begin`)."""
         if not federated:
             delta = self.state.pseudo_gradient(self.ranks.gather())
             self._step(delta, slot, [self.peer_id], solo=True)
             return RoundEnd("solo", slot, moved=True)
-        self.begin(slot, partners, background=False)
+        self.begin(slot, partners, background=False, search_s=search_s)
         return self.finish()
 
     # ---- a federated round in two halves: begin (snapshot) and finish (act on the group's result)
@@ -163,17 +178,19 @@ class RoundHandler:
         partners: Callable[[], int],
         background: bool = True,
         matchmaking_s: float | None = None,
+        search_s: float | None = None,
     ) -> None:
         """Snapshot this site's pseudo-gradient and tokens for round ``slot`` and start averaging them;
         in the ``background``, training goes on meanwhile (see :meth:`finish`). ``matchmaking_s``: how
         long the round looks for its group (the configured time if None; see
-        :func:`overlapped_matchmaking_s`)."""
+        :func:`overlapped_matchmaking_s`); ``search_s``: how long the group stays open to latecomers
+        (twice that if None; see :func:`round_search_s`)."""
         assert self.in_flight is None, "a round is already in flight"
         delta = self.state.pseudo_gradient(self.ranks.gather())
         tokens, self.stats.tokens_since_sync = self.stats.tokens_since_sync, 0  # they go into this round
         trained, self.stats.steps_since_sync = self.stats.steps_since_sync, 0  # (and so do these)
         flight = RoundInFlight(
-            slot, delta, tokens, partners(), background, matchmaking_s, trained_steps=trained
+            slot, delta, tokens, partners(), background, matchmaking_s, search_s, trained_steps=trained
         )
         if background:
             flight.future = in_background(functools.partial(self._run, flight))
@@ -258,6 +275,7 @@ class RoundHandler:
                 flight.tokens,
                 flight.matchmaking_s,
                 steps=flight.trained_steps,
+                search_s=flight.search_s,
             )
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)

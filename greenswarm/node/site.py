@@ -40,7 +40,12 @@ from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
 from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.releasing import Releaser
-from greenswarm.node.round_handling import RoundEnd, RoundHandler, overlapped_matchmaking_s
+from greenswarm.node.round_handling import (
+    RoundEnd,
+    RoundHandler,
+    overlapped_matchmaking_s,
+    round_search_s,
+)
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.shard_claims import ShardClaims, claimable_shards
 from greenswarm.node.shard_reader import dataset_settings
@@ -256,10 +261,16 @@ class SiteNode:
                 self.swarm.view.poll_now()
             self._catch_up(in_window_only=state is FEDERATED)
         if state is FEDERATED and self.cfg.averaging.overlap:
-            self.round_handler.begin(self._slot, self._partners, matchmaking_s=self._matchmaking_s())
+            seconds = self._matchmaking_s()
+            self.round_handler.begin(
+                self._slot, self._partners, matchmaking_s=seconds, search_s=self._search_s(seconds)
+            )
             self._begin_s = time.monotonic() - began
             return
-        self._after_round(self.round_handler.end(state is FEDERATED, self._slot, self._partners), began)
+        search_s = self._search_s(self.cfg.averaging.matchmaking_s)
+        self._after_round(
+            self.round_handler.end(state is FEDERATED, self._slot, self._partners, search_s), began
+        )
 
     def _finish_round(self, stopped: float | None = None) -> bool:
         """Act on the round in flight, if there is one (waiting for its result when it has none yet);
@@ -299,6 +310,14 @@ class SiteNode:
                 max(self._step_s), averaging.matchmaking_s, seconds,
             )  # fmt: skip
         return seconds
+
+    def _search_s(self, matchmaking_s: float) -> float:
+        """How long this round's group stays open to latecomers: it ends in time for a catch-up before
+        the next boundary (:func:`round_search_s`; a replayed trace's boundaries come sooner in wall
+        seconds)."""
+        next_boundary = (self._slot + 1) * self.cfg.averaging.sync_interval_s
+        until_s = self.clock.wall_seconds(max(next_boundary - self.clock.now(), 0.0))
+        return round_search_s(matchmaking_s, until_s)
 
     def _partners(self) -> int:
         """How many other sites are in a window now (a round expects every one of them)."""
