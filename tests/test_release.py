@@ -362,3 +362,25 @@ def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> 
     assert cfg.node.launcher == "command"
     slurm = load_site_config(None, [*base, "node.launcher=slurm", "node.sbatch_args=[--gres=gpu:4]"])
     assert slurm.node.sbatch_args == ["--gres=gpu:4"]
+
+
+def test_a_site_listens_on_the_port_of_its_last_start(tmp_path: Path) -> None:
+    """A trainer's restart (or a released site's presence) listens where the last one did, so the
+    addresses the swarm holds for the site stay valid; a fixed port, a relay's port and a port taken
+    meanwhile are left alone (docs/release.md)."""
+    import logging
+
+    from greenswarm.node import listen_port
+
+    ephemeral = ["/ip4/127.0.0.1/tcp/0"]
+    assert listen_port.remembered(tmp_path, ephemeral) == ephemeral  # first start: nothing kept yet
+    listen_port.remember(tmp_path, ephemeral, ["/ip4/127.0.0.1/tcp/41234/p2p/12D3KooWx"])
+    assert listen_port.remembered(tmp_path, ephemeral) == ["/ip4/127.0.0.1/tcp/41234"]
+    assert listen_port.remembered(tmp_path, ["/ip4/0.0.0.0/tcp/7000"]) == ["/ip4/0.0.0.0/tcp/7000"]
+    listen_port.forget(tmp_path, logging.getLogger("test"), "taken by another process")
+    assert listen_port.remembered(tmp_path, ephemeral) == ephemeral
+    # a relayed site's visible addresses name the relay's port: not its own
+    listen_port.remember(tmp_path, ephemeral, ["/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWr/p2p-circuit/p2p/X"])
+    assert listen_port.remembered(tmp_path, ephemeral) == ephemeral
+    listen_port.remember(tmp_path, ["/ip4/0.0.0.0/tcp/7000"], ["/ip4/127.0.0.1/tcp/7000/p2p/X"])  # fixed
+    assert not (tmp_path / listen_port.FILE).exists()

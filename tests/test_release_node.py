@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from greenswarm.jsonlines import read_json_lines
+from greenswarm.node.presence import PROCESS_NAME as PRESENCE
 from tests.conftest import Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.release, pytest.mark.swarm, pytest.mark.faults]
@@ -28,13 +29,29 @@ TRACE = {"A": [50.0] * 2 + [300.0] * 2 + [50.0] * 4 + [300.0] * 2 + [50.0] * 4 +
 SPEEDUP = 360.0  # 10 wall seconds a clock hour
 
 
+def _of_presence(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is (or runs under) the released site's presence (greenswarm.node.presence)."""
+    return any(p.name() == PRESENCE for p in (proc, *proc.parents()))
+
+
 def _trainers(agent: psutil.Process) -> list[psutil.Process]:
     """The agent's children that are the site's trainer (a fork: the same command line) or its
-    daemons."""
+    daemons; not the presence that stands for the site while it is released."""
     out = []
     for child in agent.children(recursive=True):
         try:
-            if child.cmdline() == agent.cmdline() or "p2pd" in child.name():
+            if (child.cmdline() == agent.cmdline() or "p2pd" in child.name()) and not _of_presence(child):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _presences(agent: psutil.Process) -> list[psutil.Process]:
+    out = []
+    for child in agent.children():
+        try:
+            if child.name() == PRESENCE:
                 out.append(child)
         except psutil.NoSuchProcess:
             pass
@@ -128,9 +145,10 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     swarm: Swarm, tmp_path: Path
 ) -> None:
     """Two sites release at every window's end and restart at the next: every restart resumes the
-    state it released, the global model goes on from where it was (never an outer step back), they
-    average after their restarts, and ``simulate --calibrate`` on the run books their ledgers within
-    3 %."""
+    state it released, a released site's presence shows it RELEASED and serves its state (B, back
+    first, catches up from A's), the global model goes on from where it was (never an outer step
+    back), they average after their restarts, and ``simulate --calibrate`` on the run books their
+    ledgers within 3 %."""
     from greenswarm.simulation.calibrate import calibrate
     from greenswarm.simulation.policies import load_policy
     from greenswarm.simulation.report import simulate
@@ -155,7 +173,10 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     shown = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json")
     assert shown.returncode == 0, shown.stderr
     rows = [r for r in json.loads(shown.stdout) if r["site"] == "site-a" and r["state"] == "RELEASED"]
-    assert [r["next_start"] for r in rows] == [load_trace(str(trace_path)).start + 2 * 3600], shown.stdout
+    restart_at = load_trace(str(trace_path)).start + 2 * 3600
+    # (one row or two: the ended trainer's last record lives out its ttl beside its presence's, under
+    # another peer id, as this site keeps no identity file; exactly one before the presence existed)
+    assert rows and all(r["next_start"] == restart_at for r in rows), shown.stdout
     assert time.time() - start_wall < HOURS * 3600 / SPEEDUP, "the replay ended before the check"
     for name in names.values():
         assert swarm.wait(name, timeout=HOURS * 3600 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
@@ -182,6 +203,9 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     assert averaged_after, "no round averaged by both sites after their restarts"
 
     summaries = [json.loads((runs / n / "summary.json").read_text()) for n in names.values()]
+    # B restarted at 1.5 h while A was released, A's state ahead of its own: A's presence served it
+    assert summaries[1]["catch_ups"] >= 1, summaries[1]
+    assert "presence: site site-a released, serving outer step" in swarm.log("site-a")
     booked_kg = sum(s["emissions_g"] for s in summaries) / 1000.0
     measured = calibrate(runs)
     assert measured.release_mode == "idle" and measured.restarts == 2 and measured.restart_s

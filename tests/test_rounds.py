@@ -349,18 +349,23 @@ def test_catch_up_ignores_a_head_that_is_not_ahead() -> None:
     assert not sync.catch_up(FakeView(None), in_window_only=True)
 
 
-def test_between_rounds_a_state_that_ranks_above_is_taken_once() -> None:
+def test_between_rounds_a_state_that_ranks_above_is_taken_once_and_retried_later() -> None:
     """Two groups formed at one boundary step on two lineages; the faster group's catch-up at the next
     boundary comes before the slower one has published, so between rounds a site looks again: once
-    per state it sees, whether or not the download worked."""
+    per state it sees, and again after HEAL_RETRY_S while it is still behind (a download that failed:
+    a peer's daemon refuses for a while to dial an address that just failed)."""
+    from greenswarm.node.state_sync import HEAL_RETRY_S
+
     state, ranks = global_state(1.0), FakeRanks(torch.ones(N))
     sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 1)
-    assert not sync.heal_due(FakeView(None))
-    assert not sync.heal_due(FakeView(Head("b", 0, GENESIS)))  # this site's own state: nothing to take
+    assert not sync.heal_due(FakeView(None), now=100.0)
+    assert not sync.heal_due(FakeView(Head("b", 0, GENESIS)), now=100.0)  # its own state: nothing to take
     other = FakeView(Head("b", 0, "~" + GENESIS))  # the same outer step, a lineage that ranks above
-    assert sync.heal_due(other)
-    assert not sync.heal_due(other)  # tried: not again until the head moves
-    assert sync.heal_due(FakeView(Head("b", 1, GENESIS)))
+    assert sync.heal_due(other, now=100.0)
+    assert not sync.heal_due(other, now=100.0)  # tried: not again until the head moves...
+    assert not sync.heal_due(other, now=100.0 + HEAL_RETRY_S - 0.1)
+    assert sync.heal_due(other, now=100.0 + HEAL_RETRY_S + 0.1)  # ...or a while has passed
+    assert sync.heal_due(FakeView(Head("b", 1, GENESIS)), now=100.0 + HEAL_RETRY_S + 0.2)
 
 
 def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixture) -> None:

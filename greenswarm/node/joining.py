@@ -17,9 +17,10 @@ from typing import Any
 from greenswarm.averaging.agreement import DigestBoard
 from greenswarm.averaging.averager import StateProvider, SwarmAverager
 from greenswarm.bootstrap.identity import identity_seed, load_or_create_identity
-from greenswarm.errors import ConfigError
+from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.faults import FaultPlan
 from greenswarm.network import connections, relay_options, resolve_reachability, start_dht
+from greenswarm.node import listen_port
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressPublisher, live_members, record_validators
@@ -118,16 +119,28 @@ def join_swarm(
         # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
         # it for DHT queries cheaply, so it does not serve them)
         reach = {**relay_options(relays), "client_mode": True}
-    dht = start_dht(
-        swarm.initial_peers,
-        host_maddrs=swarm.host_maddrs,
-        identity_path=swarm.identity,
-        record_validators=validators,
-        retry_delays_s=tuple(swarm.join_retry_s),
-        **reach,
-    )
+    def start(host_maddrs: list[str]) -> Any:
+        return start_dht(
+            swarm.initial_peers,
+            host_maddrs=host_maddrs,
+            identity_path=swarm.identity,
+            record_validators=validators,
+            retry_delays_s=tuple(swarm.join_retry_s),
+            **reach,
+        )
+
+    run_dir = cfg.node.run_dir
+    sticky = listen_port.remembered(run_dir, swarm.host_maddrs)  # the port of this site's last start
+    try:
+        dht = start(sticky)
+    except SwarmError as e:
+        if sticky == swarm.host_maddrs or "address already in use" not in str(e):
+            raise
+        listen_port.forget(run_dir, log, "taken by another process")
+        dht = start(swarm.host_maddrs)
     started: list[tuple[Any, str]] = [(dht, "shutdown")]  # stopped in reverse if a later part fails
     try:
+        _remember_port(run_dir, swarm.host_maddrs, dht, log)
         peer_id = dht.peer_id.to_base58()
         averager = SwarmAverager(
             dht,
@@ -203,6 +216,15 @@ def check_membership(cfg: SiteConfig, log: logging.Logger) -> Any:
         swarm.certificate,
     )
     return membership
+
+
+def _remember_port(run_dir: str, host_maddrs: list[str], dht: Any, log: logging.Logger) -> None:
+    """Keep the port the daemon listens on for the site's next start (:mod:`listen_port`); a daemon
+    that cannot say costs the next start its port, never this join."""
+    try:
+        listen_port.remember(run_dir, host_maddrs, [str(m) for m in dht.get_visible_maddrs()])
+    except Exception as err:
+        log.debug("could not keep the listen port: %r", err)
 
 
 def _quietly(stop: Any, part: Any, log: logging.Logger) -> None:

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable
 
 from greenswarm.node.releasing import RELEASED_EXIT
-from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget
+from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget, end_child, fork_child
 
 log = logging.getLogger("greenswarm.launcher")
 
@@ -79,6 +79,7 @@ def run_command_launcher(
     released: Callable[[Callable[[], bool]], bool],
     max_restarts: int,
     window_s: float,
+    presence: Callable[[], int] | None = None,
 ) -> int:
     """Run the trainer through the operator's ``start`` command until it ends for good (see the
     module's docstring); the agent's exit status."""
@@ -113,7 +114,12 @@ def run_command_launcher(
             if stopping:
                 return 0 if code == RELEASED_EXIT else code if code >= 0 else 128 + stopping[0]
             if code == RELEASED_EXIT:
-                if released(lambda: bool(stopping)) and not stopping:
+                helper = fork_child(presence) if presence is not None else 0  # (the site meanwhile)
+                try:
+                    again = released(lambda: bool(stopping)) and not stopping
+                finally:
+                    end_child(helper)
+                if again:
                     continue
                 return 0  # the end while released: the trace, node.stop_at, or a stop
             killed = -code if code < 0 else code - 128 if code > 128 else 0

@@ -208,9 +208,9 @@ class ProgressPublisher:
             self._thread.join(timeout=5)
 
     def publish_final(self, record: ProgressRecord, lives_s: float, timeout: float = 5.0) -> None:
-        """Write ``record`` once to live ``lives_s`` seconds (longer than ``ttl_s``: a released site's
-        record, held by the peers that store it after the site's process is gone) and wait for it.
-        The keep-alive stops first, so it never writes the record again with the usual ttl."""
+        """Write ``record`` once to live ``lives_s`` seconds (at least ``ttl_s``: a site's last record,
+        held by the peers that store it after the site's process is gone) and wait for it. The
+        keep-alive stops first, so it never writes the record again."""
         from hivemind.utils import get_dht_time
 
         self.close()

@@ -154,14 +154,6 @@ class Releaser:
         nxt = self.schedule.next_window(now)
         return float(nxt.start) if nxt is not None else None
 
-    def record_lives_s(self, now: float, ttl_s: float) -> float:
-        """Wall seconds a released site's last progress record should live: until its planned
-        restart and a ``ttl_s`` more (a week at most), so the swarm sees it RELEASED meanwhile."""
-        restart = self.planned_restart(now)
-        if restart is None:
-            return ttl_s
-        return min(self.clock.wall_seconds(max(restart - now, 0.0)) + ttl_s, 7 * 86400.0)
-
     def cancel(self) -> None:
         """The site is in a window again before its release was due."""
         self.release_at, self.planned = math.inf, False
@@ -169,10 +161,19 @@ class Releaser:
     def due(self, now: float) -> bool:
         return now >= self.release_at
 
-    def release(self, now: float, saved: float, checkpoint_wall_s: float, state_digest: str) -> None:
-        """The node has checkpointed (from clock time ``now`` to ``saved``) and left the swarm: leave
-        the marker the agent and the next start read, and the journal's line. ``state_digest``: what
-        the checkpoint restores."""
+    def release(
+        self,
+        now: float,
+        saved: float,
+        checkpoint_wall_s: float,
+        state_digest: str,
+        record: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """The node has checkpointed (from clock time ``now`` to ``saved``) and is leaving: leave the
+        marker the agent, its presence (:mod:`greenswarm.node.presence`: ``record``, the site's last
+        progress record as RELEASED) and the next start read, and the journal's line.
+        ``state_digest``: what the checkpoint restores."""
+        self.released = True
         decision = self.decision
         entry = {
             "state_digest": state_digest,
@@ -186,9 +187,9 @@ class Releaser:
             "expected_gap_s": decision.expected_gap_s if decision else None,
             "checkpoint_wall_s": checkpoint_wall_s,
         }
-        write_private(self.run_dir / MARKER, json.dumps(entry).encode())
         _append(self.run_dir / JOURNAL, entry)
-        self.released = True
+        marker = {**entry, "record": record() if record is not None else None}
+        write_private(self.run_dir / MARKER, json.dumps(marker).encode())
         self.log.info(
             "release: the trainer ends (checkpoint written in %.1f s; %s)", checkpoint_wall_s, entry["reason"]
         )

@@ -55,7 +55,15 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.node.restart_window_s,
         preload=preload,
         released=lambda stopped: wait_for_window(cfg, stopped, log),
+        presence=lambda: _presence(cfg),
     )
+
+
+def _presence(cfg: SiteConfig) -> int:
+    """The released site in the swarm (a forked child of the agent; see greenswarm.node.presence)."""
+    from greenswarm.node.presence import run_presence
+
+    return run_presence(cfg)
 
 
 def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None, overrides: list[str]) -> int:
@@ -86,6 +94,7 @@ def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None,
         stop,
         values,
         released=lambda stopped: wait_for_window(cfg, stopped, log),
+        presence=lambda: _presence(cfg),
         max_restarts=cfg.node.max_restarts,
         window_s=cfg.node.restart_window_s,
     )

@@ -188,8 +188,10 @@ class SiteNode:
                 self._train_step()
                 if self.round_handler.ready():
                     self._finish_round()  # the group's result arrived while this site trained on
-                if state is FEDERATED and self._between_rounds() and self.sync.heal_due(self.swarm.view):
-                    self._catch_up(in_window_only=True)  # another group stepped a lineage that ranks above
+                # another group stepped a lineage that ranks above; alone, a presence serves one
+                federated = state is FEDERATED
+                if self._between_rounds() and self.sync.heal_due(self.swarm.view, in_window_only=federated):
+                    self._catch_up(in_window_only=federated)
                 if self._round_due():
                     began = time.monotonic()  # (the poll holds training up too: the round log counts it)
                     self.swarm.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
@@ -668,13 +670,13 @@ class SiteNode:
         saved = self.clock.now()
         digest = self.checkpoints.state_digest()
         write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")  # (the run so far)
-        self.releaser.release(now, saved, checkpoint_s, digest)
         old, self.state = self.state, RELEASED
+        # the agent's presence stands for the site meanwhile: it publishes this record (RELEASED, the
+        # planned restart) and serves the checkpoint's global state (greenswarm.node.presence)
+        self.releaser.release(now, saved, checkpoint_s, digest, lambda: progress_record(self).to_wire())
         self.history.maybe_write(self, force=True)
         log_transition(self, old, now)
-        # the swarm sees this site RELEASED, with its planned restart, after its process is gone
-        lives_s = self.releaser.record_lives_s(saved, self.cfg.node.progress_ttl_s)
-        self.swarm.publisher.publish_final(progress_record(self), lives_s)
+        self.swarm.publisher.publish_final(progress_record(self), self.cfg.node.progress_ttl_s)
 
     def _close(self) -> None:
         if isinstance(self.schedule, LiveSchedule | DeadlineSchedule):

@@ -77,6 +77,8 @@ def attested(digest: str, server: str, records: Sequence[Any]) -> str | None:
 #: how many remembered rounds a site keeps (each is a model-sized update: rounds are minutes apart, and
 #: a site that keeps failing rounds catches up long before this many pile up)
 MAX_PENDING = 4
+#: wall seconds before :meth:`StateSync.heal_due` answers again for a head this site failed to adopt
+HEAL_RETRY_S = 10.0
 
 
 @dataclass
@@ -118,7 +120,8 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.verify = verify  # None: a served state is taken as it is (an open swarm's choice)
         self.refused: dict[str, str] = {}  # peer -> why the last state it served was refused
-        self._healing: tuple[str, int, str] | None = None  # the head heal_due last answered for
+        # the head heal_due last answered for, and when
+        self._healing: tuple[tuple[str, int, str], float] | None = None
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
@@ -184,20 +187,26 @@ class StateSync:
         )
         return True
 
-    def heal_due(self, view: SwarmView) -> bool:
-        """Whether a site in a window now holds a state that ranks above this site's, and this site has
-        not tried to adopt that very state already: checked between rounds, from the view's last poll
-        (no DHT call). Two groups that formed at one boundary step two lineages on; the catch-up at
-        each boundary comes right after this site's own round, before a slower group has published
-        its step, so without a look between rounds the faster group would never see the other ahead
-        and the swarm would stay split (seen: 2 + 3 sites, for every round after)."""
-        head = view.head(in_window_only=True)
+    def heal_due(self, view: SwarmView, in_window_only: bool = True, now: float | None = None) -> bool:
+        """Whether a site in a window now (any serving site: ``in_window_only`` False, for a site
+        training alone) holds a state that ranks above this site's, and this site has not tried to
+        adopt that very state in the last :data:`HEAL_RETRY_S`: checked between rounds, from the
+        view's last poll (no DHT call). Two groups that formed at one boundary step two lineages on;
+        the catch-up at each boundary comes right after this site's own round, before a slower group
+        has published its step, so without a look between rounds the faster group would never see
+        the other ahead and the swarm would stay split (seen: 2 + 3 sites, for every round after). A
+        site alone in its window looks too: a released site's presence may hold a state ahead of its
+        own, which its catch-up on entering could not download (a peer's daemon refuses to dial an
+        address that just failed for a while). A failed download is tried again after
+        :data:`HEAL_RETRY_S` (``now``: the monotonic clock's reading, for a test)."""
+        head = view.head(in_window_only=in_window_only)
         if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
             return False
         seen = (head.peer_id, head.outer_round, head.lineage)
-        if seen == self._healing:
+        now = time.monotonic() if now is None else now
+        if self._healing is not None and self._healing[0] == seen and now < self._healing[1] + HEAL_RETRY_S:
             return False
-        self._healing = seen
+        self._healing = (seen, now)
         return True
 
     def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:

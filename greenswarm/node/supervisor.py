@@ -18,6 +18,7 @@ stops cleanly; the supervisor then exits with the node's status.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -52,6 +53,7 @@ def supervise(
     window_s: float,
     preload: Callable[[], Any] | None = None,
     released: Callable[[Callable[[], bool]], bool] | None = None,
+    presence: Callable[[], int] | None = None,
 ) -> int:
     """Run ``run_node`` in a forked child and fork a new one whenever it dies by a signal.
 
@@ -59,7 +61,9 @@ def supervise(
     a fork would not carry over. A node that exits with
     :data:`~greenswarm.node.releasing.RELEASED_EXIT` ended its trainer for a gap between windows:
     ``released`` (given a function that says whether a stop was asked for) waits here, holding no
-    model, until the next window (True: fork the node again) or the end (False: exit 0).
+    model, until the next window (True: fork the node again) or the end (False: exit 0), while
+    ``presence`` (:mod:`greenswarm.node.presence`) runs in a forked child for the gap: the site's
+    record and its last global state in the swarm.
     """
     if preload is not None:
         preload()
@@ -83,20 +87,7 @@ def supervise(
             _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
             if stopping:  # asked to stop while no node ran (after a release, or between two)
                 return 0
-            child = os.fork()
-            if child == 0:  # the node
-                for sig in STOP_SIGNALS:
-                    signal.signal(sig, signal.SIG_DFL)
-                code = 1
-                try:
-                    fresh_future_locks()  # not the ones a killed predecessor's helper may have died holding
-                    code = run_node()
-                except BaseException:  # a crash: say where, as Python would have
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+            child = fork_child(run_node)
             status = _wait(child)
             child = 0  # (a stop signal from here on has no node to go to)
             reap_children(timeout=2.0)  # whatever the node left: helpers, daemons (reparented to us)
@@ -107,7 +98,13 @@ def supervise(
                     return code
                 if stopping:  # the node released (its state is on disk) as the stop came
                     return 0
-                if released(lambda: bool(stopping)) and not stopping:
+                child = fork_child(presence) if presence is not None else 0
+                try:
+                    again = released(lambda: bool(stopping)) and not stopping
+                finally:
+                    end_child(child)
+                    child = 0
+                if again:
                     continue
                 return 0  # the end while released: the trace, node.stop_at, or a stop
             signum = os.WTERMSIG(status)
@@ -148,6 +145,51 @@ class CrashBudget:
             self.window_s,
         )
         return True
+
+
+def fork_child(run: Callable[[], int]) -> int:
+    """Run ``run`` in a forked child with the default stop signals; its pid."""
+    child = os.fork()
+    if child:
+        return child
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    code = 1
+    try:
+        fresh_future_locks()  # not the ones a killed predecessor's helper may have died holding
+        code = run()
+    except BaseException:  # a crash: say where, as Python would have
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def end_child(child: int, timeout_s: float = 30.0) -> None:
+    """Stop a forked helper (the presence): SIGTERM, then SIGKILL after ``timeout_s``; reap what it
+    left."""
+    if not child:
+        return
+    try:
+        os.kill(child, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)
+    reap_children(timeout=2.0)
 
 
 def _collect_exited() -> None:

@@ -100,19 +100,14 @@ class SwarmView:
     def others_in_window(self) -> list[ProgressRecord]:
         return [r for r in self.others() if r.in_window]
 
-    def serving(self) -> list[ProgressRecord]:
-        """Other sites whose process runs and serves its global state: not a released one, whose
-        record outlives its trainer to say when it comes back."""
-        return [r for r in self.others() if r.state != "RELEASED"]
-
     def head(self, in_window_only: bool = False) -> ProgressRecord | None:
         """The other live site with the most advanced global state (None if there is none)."""
-        candidates = self.others_in_window() if in_window_only else self.serving()
+        candidates = self.others_in_window() if in_window_only else self.others()
         return max(candidates, key=lambda r: state_key(r.outer_round, r.lineage), default=None)
 
     def holders_of(self, outer_round: int, lineage: str) -> list[str]:
         """Peer ids of other live sites holding exactly this global state (download sources)."""
-        return [r.peer_id for r in self.serving() if (r.outer_round, r.lineage) == (outer_round, lineage)]
+        return [r.peer_id for r in self.others() if (r.outer_round, r.lineage) == (outer_round, lineage)]
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,87 @@
+"""A released site's presence in the swarm: its record and its last global state, without a trainer.
+
+While a site is released (:mod:`greenswarm.node.releasing`) its agent runs this in a process of its
+own, forked for the gap and ended when the next window opens: it joins the swarm with the site's
+identity, publishes the site's progress record -- state RELEASED, ``next_start`` the planned
+restart -- and serves the global state of the site's last checkpoint to sites that catch up or
+join, exactly as a training site serves its own (the state is checked the same way by whoever
+downloads it). It holds the global model in host memory (the parameters and the outer momentum:
+what a checkpoint's ``outer`` holds), no trainer, no optimizer, no GPU.
+
+Without it a site that enters a window while every site ahead of it is released would go on from
+its own older state, and the lineages would have to be reconciled later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+from greenswarm.averaging.outer import OuterOptimizer
+from greenswarm.faults import FaultPlan
+from greenswarm.node.checkpoint import Checkpointer
+from greenswarm.node.config import SiteConfig
+from greenswarm.node.export import MODEL_FILE
+from greenswarm.node.global_state import GlobalState
+from greenswarm.node.joining import join_swarm
+from greenswarm.node.model import ModelIdentity
+from greenswarm.node.progress import ProgressRecord
+from greenswarm.node.releasing import MARKER
+from greenswarm.procs import on_termination, set_process_name
+
+log = logging.getLogger("greenswarm.presence")
+
+#: the presence process's name (``ps -o comm``): it is a fork of the agent, with the agent's command line
+PROCESS_NAME = "gs-presence"
+
+
+def run_presence(cfg: SiteConfig) -> int:
+    """Be the released site in the swarm until a stop signal (the agent's, when the window opens)."""
+    set_process_name(PROCESS_NAME)
+    run_dir = Path(cfg.node.run_dir)
+    try:
+        entry = json.loads((run_dir / MARKER).read_text())
+        wire = dict(entry["record"])
+        identity = ModelIdentity.from_wire(json.loads((run_dir / MODEL_FILE).read_text())["identity"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("presence: nothing to stand for (%r): the released site is absent meanwhile", err)
+        return 0
+    payload = Checkpointer(run_dir).load()
+    if payload is None:
+        log.warning("presence: no checkpoint in %s: the released site is absent meanwhile", run_dir)
+        return 0
+    averaging = cfg.averaging
+    outer = OuterOptimizer.from_config(
+        payload["outer"][0].clone(), averaging.outer, averaging.outer_lr, averaging.outer_momentum,
+        averaging.nesterov,
+    )  # fmt: skip
+    state = GlobalState(outer, cfg.name)
+    state.adopt(payload["site"], payload["outer"])
+    del payload  # (the trainer's part, model and optimizer, is not served: only the global state)
+    stop = threading.Event()
+    on_termination(stop.set)
+    swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
+    try:
+        (outer_round, lineage, round_index), attested = state.attestation()
+        wire.update(
+            peer_id=swarm.peer_id,
+            outer_round=outer_round,
+            lineage=lineage,
+            round_index=round_index,
+            state_digest=attested,
+        )
+        log.info(
+            "presence: site %s released, serving outer step %d (%s) as %s until its next window",
+            cfg.name, outer_round, lineage, swarm.peer_id,
+        )  # fmt: skip
+        while not stop.is_set():
+            wire["wall_time"] = time.time()
+            swarm.publisher.maybe_publish(lambda: ProgressRecord.from_wire(wire))
+            swarm.entry.poll()
+            stop.wait(cfg.node.idle_wall_s)
+    finally:
+        swarm.close(log)
+    return 0
