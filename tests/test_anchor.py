@@ -320,14 +320,20 @@ def test_reproduce_matches_the_paper(mci_linear) -> None:
 @pytest.mark.shared
 def test_simulated_policies_on_the_anchor_trace(mci_hold) -> None:
     """On the hold-last trace at the anchor's 17.78 site-hours: the simulated anchor controller is
-    within 5 % of its published 1.38 kg. greenswarm's node, which keeps its model on the GPUs while
-    IDLE, pays the provisioned idle draw between windows; with GPUs that do other work meanwhile
-    (``energy.idle_kw=0``) it is within 1 % of the threshold ideal (1.017 kg)."""
+    within 5 % of its published 1.38 kg. A greenswarm node that keeps its model on the GPUs while
+    IDLE (``release.mode=never``) pays the provisioned idle draw between windows; with GPUs that do
+    other work meanwhile (``energy.idle_kw=0``) it is within 1 % of the threshold ideal (1.017 kg);
+    the preset as it is, releasing them by the break-even rule, is within 5 % of it (docs/release.md:
+    1.046 kg, 5 restarts) and below the anchor's controller."""
     curtail = simulate(mci_hold, ANCHOR_REGIONS, load_policy("curtail-llm"), work_h=17.78).report
     assert curtail["finished"] is True
     assert curtail["emissions_kg"] == pytest.approx(1.38, rel=0.05)
-    green = simulate(mci_hold, ANCHOR_REGIONS, load_policy("greenswarm"), work_h=17.78).report
-    released = load_policy("greenswarm", ["energy.idle_kw=0"])
+    preset = simulate(mci_hold, ANCHOR_REGIONS, load_policy("greenswarm"), work_h=17.78).report
+    assert preset["restarts"] > 0 and preset["emissions_kg"] <= 1.05 * preset["ideal_kg"]
+    assert preset["emissions_kg"] < curtail["emissions_kg"]
+    holding = load_policy("greenswarm", ["release.mode=never"])
+    green = simulate(mci_hold, ANCHOR_REGIONS, holding, work_h=17.78).report
+    released = load_policy("greenswarm", ["energy.idle_kw=0", "release.mode=never"])
     freed = simulate(mci_hold, ANCHOR_REGIONS, released, work_h=17.78).report
     assert green["ideal_kg"] == pytest.approx(1.017, rel=0.01)
     assert freed["emissions_kg"] == pytest.approx(green["ideal_kg"], rel=0.01)

@@ -152,9 +152,13 @@ def test_a_gap_shorter_than_the_least_hold_is_held() -> None:
 
 
 def test_never_is_the_node_as_it_was_and_released_draw_is_charged() -> None:
+    """``never`` is the preset as it was before releasing (its held hours at idle power, no restart),
+    and the preset now releases by ``auto``; a released GPU's draw is charged."""
     base = simulate(CLEAN_DIRTY, ["A"], load_policy("greenswarm"), work_h=2.0).report
     never = simulate(CLEAN_DIRTY, ["A"], releasing("never"), work_h=2.0).report
-    assert never["emissions_kg"] == base["emissions_kg"] and never["restarts"] == 0
+    assert never["restarts"] == 0 and never["sites"][0]["released_hours"] == 0
+    assert never["emissions_kg"] == pytest.approx((2.024 * 50 * 7220 / H + 0.468 * 200 * 2) / 1000)
+    assert base["restarts"] == 1 and base["emissions_kg"] < never["emissions_kg"]
     idle = simulate(CLEAN_DIRTY, ["A"], releasing("idle"), work_h=2.0).report
     warm = simulate(CLEAN_DIRTY, ["A"], releasing("idle", "energy.released_kw=0.1"), work_h=2.0).report
     released_h = idle["sites"][0]["released_hours"]

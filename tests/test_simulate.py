@@ -248,10 +248,11 @@ def test_ideal_trains_exactly_inside_windows() -> None:
 
 
 def test_greenswarm_pays_ten_seconds_per_window() -> None:
-    """The node's preset: 10 s of start-up at training power per window, so 2 site-hours of work need
-    20 s of the second window; and between windows the node idles with its model on the GPUs at
-    0.468 kW (2 dirty hours at 200 g)."""
-    sim = simulate(CLEAN_DIRTY, ["A"], load_policy("greenswarm"), work_h=2.0)
+    """The node's preset holding its GPUs (``release.mode=never``; it releases them by default, see
+    tests/test_release.py): 10 s of start-up at training power per window, so 2 site-hours of work
+    need 20 s of the second window; and between windows the node idles with its model on the GPUs
+    at 0.468 kW (2 dirty hours at 200 g)."""
+    sim = simulate(CLEAN_DIRTY, ["A"], load_policy("greenswarm", ["release.mode=never"]), work_h=2.0)
     rep = sim.report
     assert rep["finished"] is True
     assert rep["wall_hours"] == pytest.approx(4 + 20 / H)
@@ -261,7 +262,7 @@ def test_greenswarm_pays_ten_seconds_per_window() -> None:
     (site,) = rep["sites"]
     assert site["idle_hours"] == pytest.approx(2 + 20 / H) and site["work_site_hours"] == pytest.approx(2.0)
     # a site whose GPUs do other work while it waits: the windows' cost alone
-    released = load_policy("greenswarm", ["energy.idle_kw=0"])
+    released = load_policy("greenswarm", ["energy.idle_kw=0", "release.mode=never"])
     rep = simulate(CLEAN_DIRTY, ["A"], released, work_h=2.0).report
     assert rep["emissions_kg"] == pytest.approx(2.024 * 50 * 7220 / H / 1000)
     assert rep["vs_ideal"] == pytest.approx(7220 / 7200 - 1)
@@ -304,9 +305,11 @@ def test_presets_are_not_mutated_by_overrides() -> None:
 
 
 def test_site_run_polls_and_clips_to_start() -> None:
-    """A site notices a window at its next poll and never trains before the simulation starts."""
+    """A site notices a window at its next poll and never trains before the simulation starts (a site
+    that holds its trainer: a released one's agent wakes at the window's very start)."""
     trace = five_minute(A=[200.0, 50.0, 50.0, 200.0])
-    policy = load_policy("greenswarm", ["scheduler.poll_s=120", "provisioning.startup_s=0"])
+    held = ["scheduler.poll_s=120", "provisioning.startup_s=0", "release.mode=never"]
+    policy = load_policy("greenswarm", held)
     run = site_run("s", "A", trace, policy, start=T0 + 7.0)
     train = run.segments[0].intervals - T0
     # window [300, 900); polls at 7 + 120 k: enter at 367, leave at 967
@@ -320,7 +323,7 @@ def test_site_run_takes_a_nodes_measured_delays_instead_of_polls() -> None:
     its end (idle until it notices; never past the trace's end, never in a window shorter than the
     delay to enter it)."""
     trace = five_minute(A=[200.0, 50.0, 50.0, 200.0, 50.0, 200.0])
-    overrides = ["provisioning.startup_s=0", "provisioning.at_polls=false"]
+    overrides = ["provisioning.startup_s=0", "provisioning.at_polls=false", "release.mode=never"]  # (held)
     delays = ["provisioning.enter_delay_s=30", "provisioning.leave_delay_s=45"]
     run = site_run("s", "A", trace, load_policy("greenswarm", overrides + delays), start=T0)
     train = {s.kind: s.intervals - T0 for s in run.segments}

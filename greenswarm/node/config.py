@@ -274,9 +274,9 @@ class SiteConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    #: whether the site ends its trainer between windows (docs/release.md); ``never`` by default
-    #: until the agent that keeps the site in the swarm meanwhile is built (issue 41)
-    release: ReleaseConfig = field(default_factory=lambda: ReleaseConfig(mode="never"))
+    #: whether the site ends its trainer between windows (docs/release.md): ``auto`` by default, when a
+    #: gap is worth more than a restart; its presence keeps it in the swarm meanwhile
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def validate(self) -> None:
         if not _SITE_RE.match(self.name):

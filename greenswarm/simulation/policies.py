@@ -105,15 +105,15 @@ class PolicyConfig:
     """One simulated policy: a name, a site's scheduler and energy sections, provisioning, and the
     release rule for the gaps a site would otherwise hold (``provisioning.powered: always``).
 
-    ``release.mode`` defaults to ``never`` here, which is what the node does today: it keeps its
-    trainer through every gap. A policy that releases says so (``--set release.mode=auto``).
+    ``release.mode`` defaults to ``auto`` here, as for the node: a site releases its GPUs when a gap
+    is worth more than a restart. A policy that holds them says so (``--set release.mode=never``).
     """
 
     name: str = "custom"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     energy: EnergyConfig = field(default_factory=lambda: EnergyConfig(source="config"))
     provisioning: ProvisioningConfig = field(default_factory=ProvisioningConfig)
-    release: ReleaseConfig = field(default_factory=lambda: ReleaseConfig(mode="never"))
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def describe(self) -> str:
         """One line a person can check against the paper or the site config."""
