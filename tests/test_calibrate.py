@@ -50,6 +50,28 @@ def test_calibration_pools_the_sites_of_a_run(tmp_path: Path) -> None:
     assert calibrate(tmp_path / "a").sites == 1  # one site's run_dir works too
 
 
+def test_a_run_in_which_no_site_released_calibrates_to_the_rule_its_sites_applied(tmp_path: Path) -> None:
+    """A replayed node prices a restart at its wall seconds times the speed-up, so at 100x it held
+    through gaps the preset (30 s) would release in: the calibrated simulator takes the rule each
+    site applied (its summary's ``release``), in clock seconds, and holds where the node held."""
+    for name in ("a", "b"):
+        _site(tmp_path, name, blocked=[0.01])
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        summary["release"] = {"mode": "auto", "trust": 0.5, "restart_s": 3000.0, "checkpoint_s": 500.0}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    cal = calibrate(tmp_path)
+    assert (cal.release_mode, cal.restart_s, cal.checkpoint_s, cal.restarts) == ("auto", 3000.0, 500.0, 0)
+    policy = cal.apply(load_policy("greenswarm"))
+    assert (policy.release.restart_s, policy.release.checkpoint_s) == (3000.0, 500.0)
+    held = json.loads((tmp_path / "b" / "summary.json").read_text())
+    held["release"] = {"mode": "never"}  # a site that held whatever its mode (several ranks, a plan)
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(held))
+    cal = calibrate(tmp_path)
+    assert cal.release_mode is None and any("different release rules" in n for n in cal.notes)
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(held))
+    assert calibrate(tmp_path).apply(load_policy("greenswarm")).release.mode == "never"
+
+
 def _history(site: Path, points: list[tuple[str, float | None]]) -> None:
     """A history.jsonl of state-change points (state, late_s), after a start line."""
     lines = [json.dumps({"kind": "start", "site": site.name})]

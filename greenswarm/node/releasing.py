@@ -109,6 +109,15 @@ class Releaser:
         )
         return ReleaseRule(seconds, e.train_kw, e.idle_kw, e.released_kw)
 
+    def applied(self) -> dict[str, Any]:
+        """The rule as this site applies it, in clock seconds (``never`` when the site holds its
+        trainer whatever its mode): what ``greenswarm simulate --calibrate`` models for a run in
+        which no site released, so the calibrated simulator holds where the node did."""
+        if self.off is not None or self.cfg.release.mode == "never":
+            return {"mode": "never"}
+        r = self.rule().config
+        return {"mode": r.mode, "trust": r.trust, "restart_s": r.restart_s, "checkpoint_s": r.checkpoint_s}
+
     def restart_wall_s(self) -> float:
         """The median of this site's last measured restarts (window open to first step), or the
         configured ``release.restart_s`` before any."""

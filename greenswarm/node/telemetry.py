@@ -126,6 +126,7 @@ def summary(node: RunningSite) -> dict[str, Any]:
         "unbooked_s": node.ledger.unbooked_s,  # skipped at restarts: the site's draw then is unknown
         # what `greenswarm simulate --calibrate` needs to turn this run's wall seconds into clock seconds
         "clock_speedup": float(getattr(node.clock, "speedup", 1.0)),
+        "release": node.releaser.applied(),  # the rule in clock seconds, as this site applied it
         "sync_interval_s": node.cfg.averaging.sync_interval_s,
         "first_step_s": stats.first_step_s,
         "first_round_s": federation.first_round_s if federation else None,

@@ -21,7 +21,10 @@ waited for it, ``blocked_s``, in wall seconds). From them:
 * for a site that released its trainer between windows (``releases.jsonl``): ``release.mode`` as
   the node had it, ``released_kw`` (kWh booked RELEASED / its hours), ``restart_s`` (the clock
   seconds booked RESTARTING / the restarts) and ``checkpoint_s`` (the mean clock seconds the
-  release's checkpoint took).
+  release's checkpoint took); for a run in which no site released, the rule its sites applied
+  (their summaries' ``release``: the mode, ``never`` for a site that held whatever its mode, and
+  the restart and checkpoint in clock seconds -- a replay prices a restart at its wall seconds times
+  the speed-up, and seldom releases), so the simulator holds where the node held.
 
 ``RUN_DIR`` is one site's run directory or a folder of them; figures from several sites are pooled
 (kWh and hours summed, the median over every site's rounds, the mean over every site's window
@@ -138,6 +141,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
     modes: set[str] = set()
     checkpoints: list[float] = []
     restarts = 0
+    applied: list[dict[str, Any]] = []  # each site's release rule as it applied it (its summary)
     blocked: list[float] = []
     enter: list[float] = []
     leave: list[float] = []
@@ -157,6 +161,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
             key = "train" if state in TRAINING else key
             hours[key] += float(s) / 3600.0
             kwh[key] += float(by_state.get(state, 0.0))
+        if isinstance(summary.get("release"), dict):
+            applied.append(summary["release"])
         for entry in read_json_lines(site / RELEASES):
             if entry.get("event") == "release":
                 modes.add(str(entry.get("mode")))
@@ -192,7 +198,26 @@ def calibrate(run_dir: str | Path) -> Calibration:
         if hours[key] <= 0:
             cal.notes.append(f"no time {'training' if key == 'train' else 'idle'}: {name} kept")
     _releases(cal, modes, kwh, hours, checkpoints, restarts)
+    if not modes:
+        _held(cal, applied)
     return cal
+
+
+def _held(cal: Calibration, applied: list[dict[str, Any]]) -> None:
+    """No site released: the rule the sites applied (from their summaries; the same for all, or it is
+    kept), in clock seconds, so the calibrated simulator holds where the node held (a replay prices a
+    restart at its wall seconds times the speed-up, and seldom releases)."""
+    rules = {json.dumps(rule, sort_keys=True) for rule in applied}
+    if len(rules) != 1 or len(applied) != cal.sites:
+        if applied:
+            cal.notes.append("sites applied different release rules: release kept")
+        return
+    rule = applied[0]
+    cal.release_mode = str(rule.get("mode"))
+    if isinstance(rule.get("restart_s"), int | float):
+        cal.restart_s = float(rule["restart_s"])
+    if isinstance(rule.get("checkpoint_s"), int | float):
+        cal.checkpoint_s = float(rule["checkpoint_s"])
 
 
 def _releases(

@@ -8,10 +8,11 @@ step, and what synchronous rounds cost. Presets:
 * ``greenswarm``: the node as it is. Enter below the threshold, leave as soon as intensity is
   above it (the next 10 s poll), ``startup_s`` 10 s to rejoin (the node keeps its process and
   model in memory while idle; its first step came 3.2 s after launch in the demo, catching up with
-  the swarm adds a state download), charged at full training power. The node keeps its model on
-  the GPUs while IDLE, so a site is powered for the whole run (``powered: always``) and draws the
-  node's default ``energy.idle_kw`` (0.468 kW, a provisioned machine's) whenever it is not
-  training. Averaging overlaps training, but beginning and finishing a round holds training up
+  the swarm adds a state download), charged at full training power. A site is powered for the
+  whole run (``powered: always``) and draws the node's default ``energy.idle_kw`` (0.468 kW, a
+  provisioned machine's) whenever it is neither training nor released: it releases its GPUs by the
+  node's rule (``release``, ``auto`` by default; docs/release.md) and restarts at the next window.
+  Averaging overlaps training, but beginning and finishing a round holds training up
   for about a second (``blocked_s`` in the round log: median 0.3-2.6 s in docs/overlap.md), so a
   federated round pauses 1 s. ``greenswarm simulate --calibrate RUN_DIR`` replaces these figures
   by what a run measured (:mod:`greenswarm.simulation.calibrate`).
