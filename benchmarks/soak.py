@@ -3,7 +3,7 @@
 A submission lands only when CI passes, so a test that fails one run in ten costs real work. This
 script measures how often each test fails instead of guessing. Every run is a fresh ``pytest``
 process in a fresh temporary directory (its ``--basetemp``, ``TMPDIR`` and pytest cache), with the
-environment ``.ci/run`` sets (``GREENSWARM_REQUIRE_SHARED=1``, ``GREENSWARM_REQUIRE_NAT=1``), so a
+environment ``.ci/run`` sets (``GREENSWARM_REQUIRE_SHARED=1`` and the rest of :data:`CI_ENV`), so a
 run cannot lean on what an earlier one left behind. Outcomes are read from pytest's JUnit XML.
 
 By default one run is one pytest process over all the markers given (``-m "swarm or faults ..."``),
@@ -49,7 +49,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MARKERS = ("swarm", "faults", "nat", "security", "compression")
 #: what .ci/run exports: tests that would skip elsewhere must run (and fail if they cannot)
-CI_ENV = {"GREENSWARM_REQUIRE_SHARED": "1", "GREENSWARM_REQUIRE_NAT": "1", "GREENSWARM_REQUIRE_BROWSER": "1"}
+CI_ENV = {
+    "GREENSWARM_REQUIRE_SHARED": "1",
+    "GREENSWARM_REQUIRE_NAT": "1",
+    "GREENSWARM_REQUIRE_BROWSER": "1",
+    "GREENSWARM_REQUIRE_SLURM": "1",
+}
 RUN_ID = "<pytest run>"  # the row for failures of a run as a whole (crash, timeout, leaked daemons)
 MARKER_ENV = "GREENSWARM_SOAK_RUN"  # inherited by everything a run starts: whose p2pd daemons are whose
 LEAK_GRACE_S = 10.0  # a daemon whose peer was stopped cleanly exits within moments (tests/conftest.py)

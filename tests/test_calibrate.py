@@ -57,18 +57,24 @@ def test_a_run_in_which_no_site_released_calibrates_to_the_rule_its_sites_applie
     for name in ("a", "b"):
         _site(tmp_path, name, blocked=[0.01])
         summary = json.loads((tmp_path / name / "summary.json").read_text())
-        summary["release"] = {"mode": "auto", "trust": 0.5, "restart_s": 3000.0, "checkpoint_s": 500.0}
+        summary["release"] = {"mode": "auto", "trust": 0.25, "restart_s": 3000.0, "checkpoint_s": 500.0}
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     cal = calibrate(tmp_path)
     assert (cal.release_mode, cal.restart_s, cal.checkpoint_s, cal.restarts) == ("auto", 3000.0, 500.0, 0)
     policy = cal.apply(load_policy("greenswarm"))
-    assert (policy.release.restart_s, policy.release.checkpoint_s) == (3000.0, 500.0)
+    r = policy.release
+    assert (r.restart_s, r.checkpoint_s, r.trust) == (3000.0, 500.0, 0.25)
     held = json.loads((tmp_path / "b" / "summary.json").read_text())
     held["release"] = {"mode": "never"}  # a site that held whatever its mode (several ranks, a plan)
     (tmp_path / "b" / "summary.json").write_text(json.dumps(held))
     cal = calibrate(tmp_path)
     assert cal.release_mode is None and any("different release rules" in n for n in cal.notes)
     (tmp_path / "a" / "summary.json").write_text(json.dumps(held))
+    assert calibrate(tmp_path).apply(load_policy("greenswarm")).release.mode == "never"
+    for name in ("a", "b"):  # an older node's summaries say nothing of releasing: it held
+        older = json.loads((tmp_path / name / "summary.json").read_text())
+        del older["release"]
+        (tmp_path / name / "summary.json").write_text(json.dumps(older))
     assert calibrate(tmp_path).apply(load_policy("greenswarm")).release.mode == "never"
 
 

@@ -364,8 +364,11 @@ def test_between_rounds_a_state_that_ranks_above_is_taken_once_and_retried_later
     assert sync.heal_due(other, now=100.0)
     assert not sync.heal_due(other, now=100.0)  # tried: not again until the head moves...
     assert not sync.heal_due(other, now=100.0 + HEAL_RETRY_S - 0.1)
-    assert sync.heal_due(other, now=100.0 + HEAL_RETRY_S + 0.1)  # ...or a while has passed
-    assert sync.heal_due(FakeView(Head("b", 1, GENESIS)), now=100.0 + HEAL_RETRY_S + 0.2)
+    t = 100.0 + HEAL_RETRY_S + 0.1
+    assert sync.heal_due(other, now=t)  # ...or a while has passed, twice as long each time
+    assert not sync.heal_due(other, now=t + 2 * HEAL_RETRY_S - 0.1)
+    assert sync.heal_due(other, now=t + 2 * HEAL_RETRY_S + 0.1)
+    assert sync.heal_due(FakeView(Head("b", 1, GENESIS)), now=t + 2 * HEAL_RETRY_S + 0.2)
 
 
 def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixture) -> None:

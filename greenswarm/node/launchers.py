@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable
 
 from greenswarm.node.releasing import RELEASED_EXIT
-from greenswarm.node.supervisor import STOP_SIGNALS, CrashBudget, end_child, fork_child
+from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
 
 log = logging.getLogger("greenswarm.launcher")
 
@@ -118,7 +118,7 @@ def run_command_launcher(
                 try:
                     again = released(lambda: bool(stopping)) and not stopping
                 finally:
-                    end_child(helper)
+                    end_child(helper, timeout_s=PRESENCE_STOP_S)
                 if again:
                     continue
                 return 0  # the end while released: the trace, node.stop_at, or a stop

@@ -30,7 +30,7 @@ from greenswarm.node.joining import join_swarm
 from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressRecord
 from greenswarm.node.releasing import MARKER
-from greenswarm.procs import on_termination, set_process_name
+from greenswarm.procs import exit_with_parent, on_termination, set_process_name
 
 log = logging.getLogger("greenswarm.presence")
 
@@ -49,7 +49,7 @@ def run_presence(cfg: SiteConfig) -> int:
     except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("presence: nothing to stand for (%r): the released site is absent meanwhile", err)
         return 0
-    payload = Checkpointer(run_dir).load()
+    payload = Checkpointer(run_dir).load(mmap=True)  # (its trainer part is never read into memory)
     if payload is None:
         log.warning("presence: no checkpoint in %s: the released site is absent meanwhile", run_dir)
         return 0
@@ -63,6 +63,7 @@ def run_presence(cfg: SiteConfig) -> int:
     del payload  # (the trainer's part, model and optimizer, is not served: only the global state)
     stop = threading.Event()
     on_termination(stop.set)
+    exit_with_parent(on_orphaned=stop.set)  # an agent killed outright must not leave it standing in
     swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
     try:
         (outer_round, lineage, round_index), attested = state.attestation()

@@ -11,11 +11,12 @@ is the node's side of it, in two halves:
   and journals both in ``run_dir/releases.jsonl``.
 * :func:`wait_for_window`, in the agent (the supervisor, :mod:`greenswarm.node.supervisor`, a small
   process that holds no model): it watches the site's schedule and, when the next window opens,
-  notes the instant in ``released.json`` and forks the trainer again.
+  notes the instant in ``released.json`` and forks the trainer again. Meanwhile its presence
+  (:mod:`greenswarm.node.presence`, a forked child) keeps the site in the swarm: its RELEASED record,
+  and its last global state served to sites that catch up.
 
-What is not here yet (issue 41): the agent does not keep the site in the swarm while released (no
-progress record, no state served to sites that catch up), and a site releases only with one rank,
-a trace (not a live signal), the threshold rule (not a deadline plan) and the supervisor.
+What is not here yet (issue 41): a site releases only with one rank, a trace (not a live signal),
+the threshold rule (not a deadline plan) and an agent (the supervisor or a launcher).
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ class Releaser:
         self.run_dir = Path(cfg.node.run_dir)
         self.off = why_not_releasing(cfg, schedule, world_size, supervised)
         if self.off is not None and cfg.release.mode != "never":
-            log.warning("release.mode is %s, but the site holds its trainer: %s", cfg.release.mode, self.off)
+            # (a warning for idle, which someone chose; auto is the default, and holding is its answer)
+            level = logging.WARNING if cfg.release.mode == "idle" else logging.INFO
+            mode = cfg.release.mode
+            log.log(level, "release.mode is %s, but the site holds its trainer: %s", mode, self.off)
         self.decision: ReleaseDecision | None = None
         self.planned = False  # this gap's release is planned (or decided against)
         self.finishing = False  # no window is left: the node finishes its run now

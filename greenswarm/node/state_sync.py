@@ -77,8 +77,11 @@ def attested(digest: str, server: str, records: Sequence[Any]) -> str | None:
 #: how many remembered rounds a site keeps (each is a model-sized update: rounds are minutes apart, and
 #: a site that keeps failing rounds catches up long before this many pile up)
 MAX_PENDING = 4
-#: wall seconds before :meth:`StateSync.heal_due` answers again for a head this site failed to adopt
+#: wall seconds before :meth:`StateSync.heal_due` answers again for a head this site failed to adopt,
+#: doubling with each try for the same head up to :data:`HEAL_RETRY_MAX_S` (a download that fails may
+#: hold the loop for its timeout)
 HEAL_RETRY_S = 10.0
+HEAL_RETRY_MAX_S = 300.0
 
 
 @dataclass
@@ -120,8 +123,8 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.verify = verify  # None: a served state is taken as it is (an open swarm's choice)
         self.refused: dict[str, str] = {}  # peer -> why the last state it served was refused
-        # the head heal_due last answered for, and when
-        self._healing: tuple[tuple[str, int, str], float] | None = None
+        # the head heal_due last answered for, when, and how many times in a row
+        self._healing: tuple[tuple[str, int, str], float, int] | None = None
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
@@ -198,15 +201,19 @@ class StateSync:
         site alone in its window looks too: a released site's presence may hold a state ahead of its
         own, which its catch-up on entering could not download (a peer's daemon refuses to dial an
         address that just failed for a while). A failed download is tried again after
-        :data:`HEAL_RETRY_S` (``now``: the monotonic clock's reading, for a test)."""
+        :data:`HEAL_RETRY_S`, then twice as long each time (``now``: the monotonic clock's reading, for
+        a test)."""
         head = view.head(in_window_only=in_window_only)
         if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
             return False
         seen = (head.peer_id, head.outer_round, head.lineage)
         now = time.monotonic() if now is None else now
-        if self._healing is not None and self._healing[0] == seen and now < self._healing[1] + HEAL_RETRY_S:
-            return False
-        self._healing = (seen, now)
+        tries = 0
+        if self._healing is not None and self._healing[0] == seen:
+            _, last, tries = self._healing
+            if now < last + min(HEAL_RETRY_S * 2 ** (tries - 1), HEAL_RETRY_MAX_S):
+                return False
+        self._healing = (seen, now, tries + 1)
         return True
 
     def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:

@@ -37,6 +37,9 @@ log = logging.getLogger("greenswarm.supervisor")
 
 PR_SET_CHILD_SUBREAPER = 36
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to the node
+#: seconds a released site's presence gets to leave the swarm when the window opens before it is
+#: killed (it holds nothing that must be saved; a presence still joining ignores the stop)
+PRESENCE_STOP_S = 5.0
 
 
 def become_subreaper() -> bool:
@@ -102,7 +105,7 @@ def supervise(
                 try:
                     again = released(lambda: bool(stopping)) and not stopping
                 finally:
-                    end_child(child)
+                    end_child(child, timeout_s=PRESENCE_STOP_S)
                     child = 0
                 if again:
                     continue

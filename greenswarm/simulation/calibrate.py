@@ -69,6 +69,7 @@ class Calibration:
     released_kw: float | None = None
     restart_s: float | None = None
     checkpoint_s: float | None = None
+    trust: float | None = None
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -96,6 +97,8 @@ class Calibration:
                 release = replace(release, restart_s=self.restart_s)
             if self.checkpoint_s is not None:
                 release = replace(release, checkpoint_s=self.checkpoint_s)
+            if self.trust is not None:
+                release = replace(release, trust=self.trust)
         return replace(policy, energy=energy, provisioning=prov, release=release)
 
     def describe(self) -> dict[str, Any]:
@@ -207,10 +210,13 @@ def _held(cal: Calibration, applied: list[dict[str, Any]]) -> None:
     """No site released: the rule the sites applied (from their summaries; the same for all, or it is
     kept), in clock seconds, so the calibrated simulator holds where the node held (a replay prices a
     restart at its wall seconds times the speed-up, and seldom releases)."""
+    if not applied:  # summaries of a node from before releasing existed: it held its trainer
+        cal.release_mode = "never"
+        cal.notes.append("the run's summaries do not say their release rule (an older node): never")
+        return
     rules = {json.dumps(rule, sort_keys=True) for rule in applied}
     if len(rules) != 1 or len(applied) != cal.sites:
-        if applied:
-            cal.notes.append("sites applied different release rules: release kept")
+        cal.notes.append("sites applied different release rules: release kept")
         return
     rule = applied[0]
     cal.release_mode = str(rule.get("mode"))
@@ -218,6 +224,8 @@ def _held(cal: Calibration, applied: list[dict[str, Any]]) -> None:
         cal.restart_s = float(rule["restart_s"])
     if isinstance(rule.get("checkpoint_s"), int | float):
         cal.checkpoint_s = float(rule["checkpoint_s"])
+    if isinstance(rule.get("trust"), int | float):
+        cal.trust = float(rule["trust"])
 
 
 def _releases(
