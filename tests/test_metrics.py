@@ -161,6 +161,7 @@ def first_hours(node: SimpleNamespace) -> None:
     for loss in (5.0, 4.0):
         node.stats.add_step(StepStats(loss=loss, tokens=256))
     node.stats.counts.update(federated_rounds=1, solo_rounds=1, catch_ups=2)
+    node.stats.add_attempt(0.5)
     node.federation.run(torch.ones(N), node.global_state, slot=7, partners=1, tokens=512)
     node.round_log.write(RoundEntry(7, "apply", 1, "l", "d", round_s=0.5, blocked_s=0.25))
     node.round_log.write(RoundEntry(8, "solo", 2, "l", "d", blocked_s=0.125))
@@ -229,7 +230,7 @@ def test_a_sites_metrics_are_its_own_counters(tmp_path: Path) -> None:
     assert value(got, "greenswarm_loss") == pytest.approx(node.stats.loss)
     assert value(got, "greenswarm_eval_loss") is None  # never evaluated: absent, not 0
     assert value(got, "greenswarm_outer_step") == node.global_state.outer_round
-    # rounds: the counters by outcome, the round log's seconds, the federation's wire formats
+    # rounds: the counters by outcome, the attempts' and the round log's seconds, the wire formats
     outcomes = ("federated", "solo", "failed", "resync")
     rounds = [value(got, "greenswarm_rounds_total", outcome=o) for o in outcomes]
     assert rounds == [1, 1, 0, 0]

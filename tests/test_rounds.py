@@ -243,6 +243,7 @@ def test_solo_round_takes_the_sites_own_step() -> None:
     assert (state.outer_round, state.round_index, state.lineage) == (1, 6, next_lineage(GENESIS, 6, [ME]))
     assert torch.equal(ranks.loads[-1], state.params)
     assert stats.counts["solo_rounds"] == 1 and stats.tokens_since_sync == 0
+    assert stats.attempts == 0  # (no averaging attempt)
 
 
 def test_applied_round_moves_the_global_model_by_the_average() -> None:
@@ -254,6 +255,9 @@ def test_applied_round_moves_the_global_model_by_the_average() -> None:
     assert torch.equal(state.params, torch.full((N,), 0.75))
     assert state.lineage == next_lineage(GENESIS, 11, [ME, B]) and state.round_index == 11
     assert stats.counts["federated_rounds"] == 1 and stats.tokens_since_sync == 0
+    # its attempt is counted with its outcome, not when its line is written after the checkpoint: a scrape
+    # in between saw a federated round and no attempt (the metrics' greenswarm_round_seconds)
+    assert (stats.attempts, stats.attempt_s) == (1, 0.5)
     entry = end.entry(state, "me", blocked_s=1.0)
     assert entry.members == ["site-peer-b", "site-peer-me"] and entry.action == "apply"
 
@@ -266,6 +270,7 @@ def test_failed_round_keeps_local_progress() -> None:
     assert torch.equal(state.params, torch.ones(N)) and state.outer_round == 0
     assert ranks.loads == [] and torch.equal(ranks.local, torch.full((N,), 0.5))
     assert stats.counts["failed_rounds"] == 1 and stats.tokens_since_sync == 5
+    assert stats.attempts == 1  # a failed attempt is an attempt
     assert end.entry(state, "me", blocked_s=1.0).members == ["me"]
 
 

@@ -119,6 +119,7 @@ def join_swarm(
         # behind NAT: reached through the bootstrap's relay, and a DHT client (others cannot dial
         # it for DHT queries cheaply, so it does not serve them)
         reach = {**relay_options(relays), "client_mode": True}
+
     def start(host_maddrs: list[str]) -> Any:
         return start_dht(
             swarm.initial_peers,

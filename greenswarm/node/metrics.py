@@ -329,13 +329,13 @@ class SiteCollector(Collector):
             None,
             {"": "refused_states"},
         )
-        totals = node.round_log.totals
         yield SummaryMetricFamily(
             "greenswarm_round_seconds",
             "Averaging attempts: matchmaking and the all-reduce (wall seconds, this process)",
-            count_value=totals.attempts,
-            sum_value=totals.round_s,
+            count_value=stats.attempts,
+            sum_value=stats.attempt_s,
         )
+        totals = node.round_log.totals  # (a round's line is written after its checkpoint)
         yield SummaryMetricFamily(
             "greenswarm_round_blocked_seconds",
             "How long each round held training up (wall seconds, this process)",

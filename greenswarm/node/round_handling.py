@@ -218,6 +218,7 @@ class RoundHandler:
 
     def _act(self, flight: RoundInFlight) -> RoundEnd:
         result = flight.future.result() if flight.future is not None else self._run(flight)
+        self.stats.add_attempt(result.outcome.seconds)  # (before its outcome's count: see SiteStats)
         self.counts["refused_updates"] += len(result.refused)
         if flight.applied:  # on the round's thread: only the local model is left to move
             assert isinstance(result, Applied)

@@ -53,21 +53,17 @@ class RoundEntry:
 
 @dataclass
 class RoundTotals:
-    """The seconds of this process's rounds, summed as their lines are written: the node's metrics
-    (``greenswarm_round_seconds``, ``greenswarm_round_blocked_seconds``) read them at scrape time instead
-    of reading the file back."""
+    """How long this process's rounds held training up, summed as their lines are written: the node's
+    metrics (``greenswarm_round_blocked_seconds``) read them at scrape time instead of reading the file
+    back. (The averaging attempts' seconds are counted with the rounds' outcomes, in SiteStats: a line
+    is written only after the round's checkpoint, seconds later on a loaded machine.)"""
 
     rounds: int = 0
     blocked_s: float = 0.0  # training held up, all rounds
-    attempts: int = 0  # rounds with an averaging attempt
-    round_s: float = 0.0  # their matchmaking and all-reduce
 
     def add(self, entry: RoundEntry) -> None:
         self.rounds += 1
         self.blocked_s += entry.blocked_s
-        if entry.round_s is not None:
-            self.attempts += 1
-            self.round_s += entry.round_s
 
 
 class RoundLog:

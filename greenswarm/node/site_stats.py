@@ -43,6 +43,10 @@ class SiteStats:
     eval_tokens: int | None = None  # ... and how many held-out tokens the loss averages over
     eval_set: str | None = None  # ... and which (a fingerprint of the held-out tokens)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    # this process's averaging attempts and their seconds (matchmaking and all-reduce; not checkpointed):
+    # counted with the round's outcome, so a scrape never sees a round ended without its attempt
+    attempts: int = 0
+    attempt_s: float = 0.0
 
     def add_step(self, step: StepStats) -> None:
         self.local_steps += 1
@@ -52,6 +56,11 @@ class SiteStats:
         if self.first_loss is None:
             self.first_loss = step.loss
         self.loss = step.loss if self.loss is None else 0.9 * self.loss + 0.1 * step.loss
+
+    def add_attempt(self, seconds: float) -> None:
+        """A federated round's averaging attempt ended (its outcome is counted next)."""
+        self.attempts += 1
+        self.attempt_s += seconds
 
     def state_dict(self) -> dict[str, Any]:
         """What the checkpoint keeps (its ``site`` entry, beside the global state's position)."""
