@@ -381,23 +381,12 @@ class Swarm:
 
 
 def _rank_zero(pid: int) -> int:
-    """The process to stop a site through: under torchrun its rank-0 worker -- which stops its other
-    ranks and lets torchrun exit 0, where torchrun itself answers a SIGTERM by passing it to every rank
-    and exiting with an error -- otherwise ``pid`` itself."""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return pid
-    for child in children:  # (a helper that ends while it is read is skipped, not the search)
-        try:
-            if (
-                child.environ().get("RANK") == "0"
-                and psutil.Process(child.ppid()).environ().get("RANK") != "0"
-            ):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return pid
+    """The process to stop a site through: under torchrun its rank-0 worker (see
+    :func:`~greenswarm.node.launchers.torchrun_rank_zero`), otherwise ``pid`` itself."""
+    from greenswarm.node.launchers import torchrun_rank_zero
+
+    found = torchrun_rank_zero(pid)
+    return pid if found is None else found
 
 
 def progress_listings(output: str) -> list[list[dict]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
 from tests.conftest import wait_until
@@ -67,3 +68,40 @@ def test_no_keepalive_no_thread() -> None:
     publisher = _publisher(dht, keepalive_s=0.0)
     publisher.maybe_publish(lambda: _record(1), force=True)
     assert publisher._thread is None and len(dht.writes) == 1
+
+
+class UnansweredDHT:
+    """A DHT read that a frozen peer holds up: a blocking read answers (nothing), a read as a future
+    never does until it is cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    def get(self, key, latest=False, return_future=False):  # noqa: ANN001
+        if not return_future:
+            return None
+        dht = self
+
+        class Unanswered(Future):
+            def cancel(self) -> bool:
+                dht.cancelled += 1
+                return super().cancel()
+
+        return Unanswered()
+
+
+def test_a_poll_at_a_rounds_boundary_gives_up_and_keeps_the_last_view() -> None:
+    """A peer that does not answer held each boundary's poll for the DHT's own timeout (seconds), so a
+    site began its rounds late, or not at all (a test that froze a peer saw a round skipped)."""
+    from greenswarm.node.swarm_view import SwarmView
+
+    dht = UnansweredDHT()
+    view = SwarmView(dht, "s", "me", poll_s=3600.0)
+    try:
+        view._records = [_record(1)]  # what the last poll read
+        began = time.monotonic()
+        view.poll_now(timeout_s=0.2)
+        assert time.monotonic() - began < 2.0 and dht.cancelled == 1
+        assert view._records == [_record(1)]
+    finally:
+        view.close()

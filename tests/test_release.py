@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -283,7 +284,9 @@ def test_a_site_that_cannot_release_says_why(tmp_path: Path) -> None:
     cfg, schedule = r.cfg, r.schedule
     assert why_not_releasing(cfg, schedule, 1, True) is None
     assert "node.restart" in why_not_releasing(cfg, schedule, 1, False)
-    assert "several ranks" in why_not_releasing(cfg, schedule, 2, True)
+    # several ranks: only a torchrun group the agent started (node.ranks) can be started again
+    assert "node.ranks: 2" in why_not_releasing(cfg, schedule, 2, True)
+    assert why_not_releasing(cfg, schedule, 2, True, launched=True) is None
     assert "live signal" in why_not_releasing(cfg, object(), 1, True)
     r.off = "x"
     r.plan(T0 + 2 * H)
@@ -318,6 +321,46 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     assert "is not the state released" in caplog.text
     r.restart_missed()  # the window closed before the first step: a crash now is any crash
     assert not marker.exists() and r.restart is None
+
+
+def test_a_torchrun_group_is_known_released_by_its_marker(tmp_path: Path) -> None:
+    """A torchrun group's ranks exit 0 when they release (torchrun calls anything else a failure): the
+    agent knows a release by a marker written since the group started, not an older one."""
+    from greenswarm.node.releasing import released_since
+
+    r, ledger = releaser(tmp_path, "idle")
+    assert not released_since(r.run_dir, 0.0)  # no marker: a finished run
+    ledger.advance(T0 + 2 * H, SiteState.SOLO)
+    before = time.time()
+    r.release(T0 + 2 * H, T0 + 2 * H, 0.5, "abc")
+    assert released_since(r.run_dir, before) and not released_since(r.run_dir, time.time() + 1)
+    (r.run_dir / "released.json").write_text("{torn")
+    assert not released_since(r.run_dir, 0.0)
+
+
+def test_several_ranks_run_under_a_torchrun_the_agent_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``node.ranks``: the trainer's command is torchrun's; a node started under another torchrun of
+    another size says which setting is at fault."""
+    import sys
+
+    from greenswarm.node.config import load_site_config
+    from greenswarm.node.launchers import trainer_command
+    from greenswarm.node.runner import run_node
+
+    one = trainer_command("site.yaml", ["/ip4/1.2.3.4/tcp/1/p2p/x"], ["a=1"], "runs/s")
+    assert one[:4] == [sys.executable, "-m", "greenswarm", "node"] and "--initial-peers" in one
+    two = trainer_command("site.yaml", None, [], "runs/s", ranks=2, max_restarts=5)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert two[:10] == [*torchrun, "--max-restarts", "5", "-m", "greenswarm"]
+    assert two[-4:] == ["--set", "node.restart=never", "--set", "node.launcher=local"]
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        load_site_config(None, ["name=s", "region=A", "node.ranks=0"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="is 2 but torchrun started 3 ranks") as err:
+        run_node(None, None, ["name=s", "region=A", "node.ranks=2"], str(tmp_path))
+    assert err.value.field == "node.ranks"
 
 
 def test_a_stale_release_marker_books_nothing(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -214,3 +215,102 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     sim = simulate(trace, list(PAIR), policy, start=trace.start).report
     assert sim["restarts"] == 2
     assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)
+
+
+def _group(agent: psutil.Process) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The agent's torchrun group: torchrun itself, and every process of its ranks (the ranks, their
+    helpers and daemons: they carry torchrun's RANK)."""
+    torchrun, ranks = [], []
+    for child in agent.children(recursive=True):
+        try:
+            if "torch.distributed.run" in child.cmdline():
+                torchrun.append(child)
+            elif child.environ().get("RANK") is not None:
+                ranks.append(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return torchrun, ranks
+
+
+def _rank_workers(agent: psutil.Process) -> list[str]:
+    """The RANK of each of torchrun's workers (its own children)."""
+    torchrun, _ = _group(agent)
+    return sorted(c.environ()["RANK"] for t in torchrun for c in t.children())
+
+
+#: 15-minute steps. A, a site of two ranks: a window of an hour, a dirty half hour, then two clean hours
+#: (a torchrun group's restart is fresh Pythons: seconds that the second window must hold); B: clean
+RANKS_PAIR = {"A": [50.0] * 4 + [300.0] * 2 + [50.0] * 8, "B": [50.0] * 14}
+#: when the test freezes site-b (clock seconds into the replay): just after their round at 40 min.
+#: site-a's rounds look for their group for 5 wall s (its averaging.matchmaking_s; 30 clock min), so
+#: the first round it begins from then on, at 50 min, is still looking when its window closes at 60 min
+#: (the one at 40 min, if the freeze comes early, mid-round: it waits out the all-reduce's timeout)
+FREEZE_CLOCK_S = 2640.0
+
+
+def test_a_site_of_two_ranks_releases_during_a_round_and_resumes(swarm: Swarm, tmp_path: Path) -> None:
+    """site-a (``node.ranks: 2``: a torchrun group of two ranks that its agent starts, FSDP2 over gloo)
+    and site-b (one rank) average, overlapped. site-b freezes (SIGSTOP, its whole site): site-a's rounds
+    find no group, and its window closes with one in flight. Its release waits for that round to end,
+    as failed (its progress kept in the release's checkpoint, the round counted once), ends the whole
+    group (no torchrun, rank or daemon meanwhile) and starts it again at the next window with the state
+    it released; site-b, thawed, averages with it again; a stop sent to site-a's agent stops the group
+    cleanly through its rank 0."""
+    trace = write_trace(tmp_path / "trace.csv", RANKS_PAIR, step_s=900)
+    start_file = tmp_path / "start"
+    peers = swarm.bootstrap()
+    runs = tmp_path / "runs"
+    for name, region, ranks, matchmaking_s in (("site-a", "A", 2, 5.0), ("site-b", "B", 1, 2.0)):
+        cfg = site_config(
+            name, region, trace, peers, runs / name, speedup=SPEEDUP, start_file=start_file, sync_s=600.0,
+            release={"mode": "idle"}, averaging={"overlap": True, "matchmaking_s": matchmaking_s},
+            node={"ranks": ranks}, train={"batch_size": 4, "micro_batch_size": 4 // ranks},
+        )  # fmt: skip
+        swarm.node(name, swarm.write_config(name, cfg))
+    start_wall = swarm.start_replay(["site-a", "site-b"], start_file)
+    agent = psutil.Process(swarm.procs["site-a"].pid)
+    assert _rank_workers(agent) == ["0", "1"]
+    journal = runs / "site-a" / "releases.jsonl"
+
+    def events(kind: str) -> list[dict]:
+        return [e for e in read_json_lines(journal) if e.get("event") == kind]
+
+    time.sleep(max(0.0, start_wall + FREEZE_CLOCK_S / SPEEDUP - time.time()))
+    swarm.kill("site-b", signal.SIGSTOP)
+    try:
+        wait_until(lambda: events("release"), 90, "site-a's release")
+        at_release = json.loads((runs / "site-a" / "summary.json").read_text())  # (written just before)
+    finally:
+        swarm.kill("site-b", signal.SIGCONT)
+    wait_until(lambda: _group(agent) == ([], []), 30, "site-a's group to end, daemons and all")
+    log = swarm.log("site-a")
+    closed = re.search(r"window closed with round (\d+) in flight: it ends first", log)
+    assert closed and closed.start() < log.index("IDLE -> RELEASED"), log[-3000:]
+    in_flight = int(closed.group(1))
+    rounds = read_json_lines(runs / "site-a" / "rounds.jsonl")
+    assert [r["action"] for r in rounds if r["slot"] == in_flight] == ["fail"], rounds
+    assert at_release["tokens_since_sync"] > 0, at_release  # its progress waits for the next round
+
+    wait_until(lambda: events("restart"), 90, "the group's restart and first step")
+    (restart,) = events("restart")
+    assert restart["state_digest"] == restart["state_digest_after"], restart
+    assert _rank_workers(agent) == ["0", "1"]
+    first_pid = rounds[0]["pid"]
+
+    def averaged_again() -> bool:
+        again = read_json_lines(runs / "site-a" / "rounds.jsonl")
+        return any(r["pid"] != first_pid and r["action"] == "apply" and len(r["members"]) == 2 for r in again)
+
+    wait_until(averaged_again, 60, "site-a and site-b averaging after the restart")
+    os.kill(agent.pid, signal.SIGTERM)  # an operator's `kill PID` of the agent
+    assert swarm.wait("site-a", timeout=120) == 0, swarm.log("site-a")[-3000:]
+    assert swarm.stop("site-b") == {"site-b": 0}
+    summary = json.loads((runs / "site-a" / "summary.json").read_text())
+    rounds = read_json_lines(runs / "site-a" / "rounds.jsonl")
+    # every round counted once, across the release: the checkpoint's counts went on from where they were
+    assert summary["failed_rounds"] == len([r for r in rounds if r["action"] == "fail"]), (summary, rounds)
+    assert len({r["slot"] for r in rounds}) == len(rounds), rounds
+    assert summary["seconds_by_state"]["RELEASED"] > 0, summary
+    log = swarm.log("site-a")
+    assert "starting the trainer again" in log
+    assert "Traceback" not in log and "ChildFailedError" not in log

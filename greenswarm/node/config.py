@@ -172,6 +172,9 @@ class NodeConfig:
     ``{site}``) and stops it with a signal to its process group or ``stop_command`` (also
     ``{signal}``); ``slurm`` submits it as a batch job (``sbatch --wait``, with ``sbatch_args``) and
     cancels it with ``scancel``; see :mod:`greenswarm.node.launchers`.
+    ``ranks``: the trainer's processes on this machine (one per GPU). More than one runs the trainer
+    under torchrun (``--standalone --nproc-per-node ranks``), started by the agent, so a multi-GPU
+    site releases its GPUs between windows too; a node started under your own torchrun keeps them.
     """
 
     run_dir: str = "runs/site"
@@ -198,6 +201,7 @@ class NodeConfig:
     start_command: str | None = None  # launcher: command: runs the trainer, exits with its status
     stop_command: str | None = None  # launcher: command: ends it (default: a signal to its group)
     sbatch_args: list[str] = field(default_factory=list)  # launcher: slurm: e.g. [--gres=gpu:4]
+    ranks: int = 1  # the trainer's processes (torchrun's --nproc-per-node when more than one)
 
     def validate(self) -> None:
         _check_choice(self.restart, Restart, "restart")
@@ -210,6 +214,8 @@ class NodeConfig:
                 raise err.located("stop_at") from None
         if self.max_restarts < 0:
             raise ConfigError(f"must be >= 0, got {self.max_restarts}", field="max_restarts")
+        if self.ranks < 1:
+            raise ConfigError(f"must be >= 1, got {self.ranks}", field="ranks")
         for name in ("keep_globals", "checkpoint_every_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"must be >= 0, got {getattr(self, name)}", field=name)

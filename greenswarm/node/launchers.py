@@ -18,36 +18,59 @@
   A job that Slurm itself ends (a time limit, a preemption) ends by a signal, and is submitted again
   like a crashed trainer.
 
-The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases; the agent
-then waits for the next window (:func:`~greenswarm.node.releasing.wait_for_window`) and starts it
+With ``node.ranks`` above 1 the trainer is a torchrun group (``--standalone --nproc-per-node``): the
+agent cannot fork one, so under ``local`` it starts torchrun itself (a fresh Python, its restarts pay
+for the imports), with no shell in between, ending with the agent if the agent dies; a stop goes to
+the rank-0 worker, which stops the other ranks and lets torchrun exit 0 (torchrun would pass the
+signal to every rank and exit with an error). Under ``command`` and ``slurm`` the ``{trainer}``
+placeholder is the torchrun command line.
+
+The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases (a torchrun
+group's ranks with 0, and the marker says it: :func:`~greenswarm.node.releasing.released_since`); the
+agent then waits for the next window (:func:`~greenswarm.node.releasing.wait_for_window`) and starts it
 again. A trainer killed by a signal (the shell's status 128 + n) is started again, within
 ``node.max_restarts``; any other status ends the agent with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
-from greenswarm.node.releasing import RELEASED_EXIT
+import psutil
+
+from greenswarm.node.releasing import LAUNCHED_ENV, RELEASED_EXIT, released_since
 from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
 
 log = logging.getLogger("greenswarm.launcher")
 
-#: set in a launched trainer's environment: an agent starts it again after a release or a crash
-LAUNCHED_ENV = "GREENSWARM_LAUNCHED"
+PR_SET_PDEATHSIG = 1
 
 
 def trainer_command(
-    config: str, initial_peers: list[str] | None, overrides: list[str], run_dir: str
+    config: str,
+    initial_peers: list[str] | None,
+    overrides: list[str],
+    run_dir: str,
+    ranks: int = 1,
+    max_restarts: int = 0,
 ) -> list[str]:
-    """The trainer's command line: this node's own, with no supervisor of its own (the agent is)."""
-    cmd = [sys.executable, "-m", "greenswarm", "node", "--config", config, "--run-dir", run_dir]
+    """The trainer's command line: this node's own, with no supervisor of its own (the agent is);
+    under torchrun when it has several ``ranks``, which starts the whole group again (from its
+    checkpoint) up to ``max_restarts`` times when a rank fails (torchrun's status says only "failed",
+    not how, so the agent cannot tell a crash from an error)."""
+    python = [sys.executable]
+    if ranks > 1:
+        python += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        python += ["--max-restarts", str(max_restarts)]
+    cmd = [*python, "-m", "greenswarm", "node", "--config", config, "--run-dir", run_dir]
     if initial_peers:
         cmd += ["--initial-peers", *initial_peers]
     for item in [*overrides, "node.restart=never", "node.launcher=local"]:
@@ -72,8 +95,34 @@ def slurm_commands(sbatch_args: list[str]) -> tuple[str, str]:
     return start, stop
 
 
+def torchrun_rank_zero(pid: int) -> int | None:
+    """The rank-0 worker among ``pid``'s descendants (a torchrun group's), or None: the process that
+    stops a group cleanly (it stops its other ranks, and torchrun then exits 0)."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:  # (a helper that ends while it is read is skipped, not the search)
+        try:
+            if (
+                child.environ().get("RANK") == "0"
+                and psutil.Process(child.ppid()).environ().get("RANK") != "0"
+            ):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def _end_with_parent() -> None:
+    """(in the started trainer, before its exec) SIGTERM when the agent dies, even by SIGKILL: a
+    torchrun group would otherwise train on with nobody to stop it (torchrun passes the SIGTERM to
+    its ranks, which stop cleanly)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def run_command_launcher(
-    start: str,
+    start: str | list[str],
     stop: str | None,
     values: dict[str, str],
     released: Callable[[Callable[[], bool]], bool],
@@ -82,9 +131,11 @@ def run_command_launcher(
     presence: Callable[[], int] | None = None,
 ) -> int:
     """Run the trainer through the operator's ``start`` command until it ends for good (see the
-    module's docstring); the agent's exit status."""
+    module's docstring); the agent's exit status. ``start`` as a list: a command line run without a
+    shell (``node.ranks``' torchrun), which ends with the agent and is stopped through its rank 0."""
     stopping: list[int] = []
     proc: subprocess.Popen | None = None
+    direct = isinstance(start, list)
 
     def forward(signum: int, _frame: object) -> None:
         stopping.append(signum)
@@ -92,11 +143,15 @@ def run_command_launcher(
             return
         if stop:
             subprocess.run(expand(stop, **values, signal=str(signum)), shell=True, check=False)
-        else:
-            try:
+            return
+        rank_zero = torchrun_rank_zero(proc.pid) if direct else None
+        try:
+            if rank_zero is not None:
+                os.kill(rank_zero, signum)
+            else:
                 os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        except ProcessLookupError:
+            pass
 
     crashes = CrashBudget(max_restarts, window_s)
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
@@ -105,12 +160,19 @@ def run_command_launcher(
             if stopping:  # asked to stop while no trainer ran
                 return 0
             env = dict(os.environ, **{LAUNCHED_ENV: "1"})
-            command = expand(start, **values)
-            log.info("starting the trainer: %s", command)
-            proc = subprocess.Popen(command, shell=True, start_new_session=True, env=env)
+            started = time.time()
+            if isinstance(start, list):
+                log.info("starting the trainer: %s", shlex.join(start))
+                proc = subprocess.Popen(start, start_new_session=True, env=env, preexec_fn=_end_with_parent)
+            else:
+                command = expand(start, **values)
+                log.info("starting the trainer: %s", command)
+                proc = subprocess.Popen(command, shell=True, start_new_session=True, env=env)
             code = _wait(proc)
             log.info("the trainer's command ended with status %d", code)
             proc = None
+            if code == 0 and released_since(values["run_dir"], started):
+                code = RELEASED_EXIT  # (a torchrun group's release: its ranks exit 0)
             if stopping:
                 return 0 if code == RELEASED_EXIT else code if code >= 0 else 128 + stopping[0]
             if code == RELEASED_EXIT:

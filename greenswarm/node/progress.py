@@ -269,9 +269,18 @@ async def live_members(dht: DHT, swarm: str) -> dict[str, float]:
     return members
 
 
-def fetch_records(dht: DHT, swarm: str) -> list[ProgressRecord]:
-    """All live, valid progress records of swarm ``swarm``, sorted by site name."""
-    result = dht.get(progress_key(swarm), latest=True)
+def fetch_records(dht: DHT, swarm: str, timeout_s: float | None = None) -> list[ProgressRecord]:
+    """All live, valid progress records of swarm ``swarm``, sorted by site name (``timeout_s``: give
+    up after this long, with TimeoutError; None: the DHT's own timeouts)."""
+    if timeout_s is None:
+        result = dht.get(progress_key(swarm), latest=True)
+    else:
+        future = dht.get(progress_key(swarm), latest=True, return_future=True)
+        try:
+            result = future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
     if result is None or not isinstance(result.value, dict):
         return []
     records = []

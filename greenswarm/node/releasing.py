@@ -15,8 +15,12 @@ is the node's side of it, in two halves:
   (:mod:`greenswarm.node.presence`, a forked child) keeps the site in the swarm: its RELEASED record,
   and its last global state served to sites that catch up.
 
-What is not here yet (issue 41): a site releases only with one rank, a trace (not a live signal),
-the threshold rule (not a deadline plan) and an agent (the supervisor or a launcher).
+A trainer of several ranks (``node.ranks``) is a torchrun group that the agent starts (it cannot fork
+one): its ranks all exit 0 on a release (torchrun calls any other status a failure), and the agent
+knows the release by the marker, written after the trainer started (:func:`released_since`).
+
+What is not here yet (issue 41): a site releases only on a trace (not a live signal), by the
+threshold rule (not a deadline plan), and under an agent (the supervisor or a launcher).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -52,19 +57,27 @@ if TYPE_CHECKING:
 #: the node's exit status when it ended its trainer for a gap (EX_TEMPFAIL: "try again later")
 RELEASED_EXIT = 75
 MARKER = "released.json"
+#: set in a launched trainer's environment: an agent starts it again after a release or a crash
+LAUNCHED_ENV = "GREENSWARM_LAUNCHED"
 JOURNAL = "releases.jsonl"
 #: the measured restarts the rule takes the median of
 RECENT_RESTARTS = 5
 
 
-def why_not_releasing(cfg: SiteConfig, schedule: object, world_size: int, supervised: bool) -> str | None:
-    """Why this site keeps its trainer through every gap whatever ``release.mode`` says, or None."""
+def why_not_releasing(
+    cfg: SiteConfig, schedule: object, world_size: int, supervised: bool, launched: bool = False
+) -> str | None:
+    """Why this site keeps its trainer through every gap whatever ``release.mode`` says, or None.
+    ``launched``: an agent started this trainer (a launcher, or node.ranks' torchrun)."""
     if cfg.release.mode == "never":
         return "release.mode is never"
     if not supervised:
         return "releasing needs node.restart: on-crash (the supervisor is what starts the trainer again)"
-    if world_size > 1:
-        return "a trainer of several ranks does not release yet"
+    if world_size > 1 and not launched:
+        return (
+            "its ranks were started by a torchrun of its own, which nothing starts again; set "
+            f"node.ranks: {world_size} and start greenswarm node without torchrun (it runs one)"
+        )
     if not isinstance(schedule, WindowSchedule):
         return "only a site on a trace's windows releases yet (not a live signal or a deadline plan)"
     return None
@@ -86,7 +99,8 @@ class Releaser:
     ):
         self.cfg, self.schedule, self.clock, self.ledger, self.log = cfg, schedule, clock, ledger, log
         self.run_dir = Path(cfg.node.run_dir)
-        self.off = why_not_releasing(cfg, schedule, world_size, supervised)
+        launched = bool(os.environ.get(LAUNCHED_ENV))
+        self.off = why_not_releasing(cfg, schedule, world_size, supervised, launched)
         if self.off is not None and cfg.release.mode != "never":
             # (a warning for idle, which someone chose; auto is the default, and holding is its answer)
             level = logging.WARNING if cfg.release.mode == "idle" else logging.INFO
@@ -293,6 +307,17 @@ class Releaser:
             seconds,
             released_s / 3600.0,
         )
+
+
+def released_since(run_dir: str | Path, started_wall: float) -> bool:
+    """Whether a trainer started at wall time ``started_wall`` ended for a release: its marker was
+    written since (a torchrun group's ranks exit 0 when they release; a finished run leaves no marker,
+    and a restart's marker stays only until its first step)."""
+    try:
+        entry = json.loads((Path(run_dir) / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(entry, dict) and float(entry.get("wall", 0.0)) >= started_wall
 
 
 def _append(path: Path, entry: dict[str, Any]) -> None:

@@ -1,7 +1,9 @@
 """``greenswarm node``: load the site config, run the site until its trace ends or it is stopped.
 
 With ``node.restart: on-crash`` (the default) the node runs under :mod:`greenswarm.node.supervisor`,
-which forks a new node from its already-imported state whenever the node dies by a signal.
+which forks a new node from its already-imported state whenever the node dies by a signal. With
+``node.launcher: command`` or ``slurm``, or ``node.ranks`` above 1 (a torchrun group, which cannot be
+forked), this process is the agent and starts the trainer as a command (:mod:`greenswarm.node.launchers`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.network import check_peers
 from greenswarm.node.config import SiteConfig, load_site_config
-from greenswarm.node.launchers import LAUNCHED_ENV
+from greenswarm.node.releasing import LAUNCHED_ENV
 from greenswarm.procs import exit_with_parent, on_termination, reap_children
 
 log = logging.getLogger("greenswarm.node")
@@ -28,7 +30,14 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.swarm.initial_peers = check_peers(initial_peers, "--initial-peers")
     if run_dir:
         cfg.node.run_dir = run_dir
-    if cfg.node.launcher in ("command", "slurm"):
+    ranks = os.environ.get("WORLD_SIZE")  # (set by torchrun: this process is one of its ranks)
+    if ranks is not None and cfg.node.ranks > 1 and int(ranks) != cfg.node.ranks:
+        raise ConfigError(
+            f"is {cfg.node.ranks} but torchrun started {ranks} ranks; start greenswarm node without "
+            "torchrun (it runs one for node.ranks), or leave node.ranks at 1",
+            field="node.ranks",
+        )
+    if cfg.node.launcher in ("command", "slurm") or (cfg.node.ranks > 1 and ranks is None):
         return _run_launched(cfg, config, initial_peers, overrides)
     if cfg.node.restart == "never":
         return _run_site(cfg, config, supervised=bool(os.environ.get(LAUNCHED_ENV)))
@@ -67,9 +76,9 @@ def _presence(cfg: SiteConfig) -> int:
 
 
 def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None, overrides: list[str]) -> int:
-    """``node.launcher: command`` or ``slurm``: this process is the agent; the trainer runs through
-    the operator's command or as a Slurm job (:mod:`greenswarm.node.launchers`), on the agent's
-    clock."""
+    """``node.launcher: command`` or ``slurm``, or several ``node.ranks``: this process is the agent;
+    the trainer runs through the operator's command, as a Slurm job or as a torchrun group
+    (:mod:`greenswarm.node.launchers`), on the agent's clock."""
     from greenswarm.node.launchers import run_command_launcher, slurm_commands, trainer_command
     from greenswarm.node.releasing import wait_for_window
 
@@ -77,7 +86,10 @@ def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None,
     os.makedirs(cfg.node.run_dir, exist_ok=True)  # (a batch job's output goes there from its start)
     pinned = cfg.scheduler.clock.start_wall
     extra = [f"scheduler.clock.start_wall={pinned!r}"] if pinned is not None else []
-    trainer = trainer_command(config, initial_peers, [*overrides, *extra], cfg.node.run_dir)
+    restarts = cfg.node.max_restarts if cfg.node.restart == "on-crash" else 0
+    trainer = trainer_command(
+        config, initial_peers, [*overrides, *extra], cfg.node.run_dir, cfg.node.ranks, restarts
+    )
     values = {
         "trainer": shlex.join(trainer),
         "trainer_wrap": shlex.quote("exec " + shlex.join(trainer)),  # (sbatch --wrap's whole script)
@@ -85,17 +97,20 @@ def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None,
         "run_dir": os.path.abspath(cfg.node.run_dir),
         "site": cfg.name,
     }
+    start: str | list[str]
     if cfg.node.launcher == "slurm":
         start, stop = slurm_commands(cfg.node.sbatch_args)
-    else:
+    elif cfg.node.launcher == "command":
         start, stop = cfg.node.start_command or "", cfg.node.stop_command
+    else:  # local, with several ranks: torchrun, with no shell in between
+        start, stop = trainer, None
     return run_command_launcher(
         start,
         stop,
         values,
         released=lambda stopped: wait_for_window(cfg, stopped, log),
         presence=lambda: _presence(cfg),
-        max_restarts=cfg.node.max_restarts,
+        max_restarts=restarts,
         window_s=cfg.node.restart_window_s,
     )
 
@@ -124,8 +139,8 @@ def _run_site(cfg: SiteConfig, config: str, supervised: bool = False) -> int:
         summary = node.run()
     finally:
         reap_children()
-    if node.releaser.released:
-        return RELEASED_EXIT
+    if node.releaser.released:  # (torchrun calls any status but 0 a failure: the marker says it there)
+        return 0 if node.world.distributed else RELEASED_EXIT
     if summary is not None:
         print(json.dumps(summary), flush=True)
     return 0

@@ -194,7 +194,8 @@ class SiteNode:
                     self._catch_up(in_window_only=federated)
                 if self._round_due():
                     began = time.monotonic()  # (the poll holds training up too: the round log counts it)
-                    self.swarm.view.poll_now()  # decide SOLO vs FEDERATED on a fresh view of the swarm
+                    # decide SOLO vs FEDERATED on a fresh view of the swarm (bounded: see poll_now)
+                    self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
                     state = self._update_state(self.clock.now())
                     if state is not IDLE:
                         self._end_round(state, began)
@@ -212,8 +213,12 @@ class SiteNode:
             entering = old in (IDLE, RESTARTING)
             late_s = noticed_late_s(now, entering, window, self._window, self.schedule.end)
             self.history.maybe_write(self, force=True, late_s=late_s)
-            if new is IDLE:
-                self._finish_round()  # leaving the window: the round in flight ends first
+            if new is IDLE and self.round_handler.in_flight is not None:
+                # leaving the window: the round in flight ends first (a release after it waits for it,
+                # so what the round did is counted once, in the release's checkpoint)
+                slot = self.round_handler.in_flight.slot
+                self.log.info("window closed with round %d in flight: it ends first", slot)
+                self._finish_round()
             if entering and new is not IDLE:
                 self.releaser.cancel()
                 self._slot = self._slot_of(now)  # the first round ends at the next boundary
@@ -260,7 +265,7 @@ class SiteNode:
         self._slot = self._slot_of(self.clock.now())
         if self.round_handler.catch_up_due(state is FEDERATED):
             if finished:  # the view was polled before that round ended: what its group did since is news
-                self.swarm.view.poll_now()
+                self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
             self._catch_up(in_window_only=state is FEDERATED)
         if state is FEDERATED and self.cfg.averaging.overlap:
             seconds = self._matchmaking_s()
@@ -669,7 +674,7 @@ class SiteNode:
         checkpoint_s = time.monotonic() - began
         saved = self.clock.now()
         digest = self.checkpoints.state_digest()
-        write_summary(self, Path(self.cfg.node.run_dir) / "summary.json")  # (the run so far)
+        write_summary(self, Path(self.cfg.node.run_dir) / "summary.json", "released, the run so far")
         old, self.state = self.state, RELEASED
         # the agent's presence stands for the site meanwhile: it publishes this record (RELEASED, the
         # planned restart) and serves the checkpoint's global state (greenswarm.node.presence)

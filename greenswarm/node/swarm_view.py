@@ -56,10 +56,17 @@ class SwarmView:
             self._wake.wait(self.poll_s)
             self._wake.clear()
 
-    def poll_now(self) -> None:
-        """Read the records now, in the caller's thread (before decisions that must not use stale views)."""
+    def poll_now(self, timeout_s: float | None = None) -> None:
+        """Read the records now, in the caller's thread (before decisions that must not use stale
+        views). ``timeout_s``: give up after this long and keep the background's view (at most a poll
+        period old): a peer that does not answer -- frozen, its machine gone -- holds a DHT read for the
+        DHT's own timeout (seconds), and a node reading at every round's boundary would lose that much
+        training, and begin its round late, every round."""
         try:
-            records = fetch_records(self.dht, self.swarm)
+            records = fetch_records(self.dht, self.swarm, timeout_s)
+        except TimeoutError:
+            log.debug("progress poll took over %.1f s: the view stays the last poll's", timeout_s)
+            return
         except Exception as e:  # the DHT may be shutting down or briefly unreachable
             log.debug("progress poll failed: %r", e)
             return

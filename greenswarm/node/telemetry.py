@@ -147,12 +147,12 @@ def summary(node: RunningSite) -> dict[str, Any]:
     }
 
 
-def write_summary(node: RunningSite, path: Path) -> dict[str, Any]:
-    """Write the site's summary to ``path``, log its headline figures and return it."""
+def write_summary(node: RunningSite, path: Path, said: str = "finished") -> dict[str, Any]:
+    """Write the site's summary to ``path``, log its headline figures (after ``said``) and return it."""
     result = summary(node)
     path.write_text(json.dumps(result, indent=2))
     headline = {k: result[k] for k in ("outer_round", "tokens", "energy_kwh", "emissions_g")}
-    node.log.info("finished: %s", json.dumps(headline))
+    node.log.info("%s: %s", said, json.dumps(headline))
     return result
 
 
