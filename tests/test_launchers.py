@@ -9,9 +9,11 @@ never missed a mark beside a training site.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -108,3 +110,78 @@ def test_the_slurm_launcher_gives_the_gpus_back_between_windows(swarm: Swarm, tm
         os.kill(swarm.procs["site"].pid, signal.SIGTERM)  # the agent cancels the job with the signal
         assert swarm.wait("site", timeout=90) == 0, swarm.log("site")[-3000:] + job_output()[-3000:]
         assert len(list(run_dir.glob("slurm-*.out"))) == 2 and jobs() == []
+
+
+#: a stand-in for torchrun: a "rendezvous" of ``argv[1]`` seconds, then one rank (RANK=0) that stops
+#: cleanly (exit 0) on SIGTERM; torchrun itself, signalled, passes it on and exits 1, as torch's does
+FAKE_TORCHRUN = """
+import os, signal, subprocess, sys, time
+out = sys.argv[2]
+rank = None
+def stopped(*_):
+    if rank is not None:
+        rank.send_signal(signal.SIGTERM)
+    open(os.path.join(out, "torchrun-stopped"), "w").close()
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stopped)
+time.sleep(float(sys.argv[1]))
+rank = subprocess.Popen([sys.executable, "-c", RANK0, out], env={**os.environ, "RANK": "0"})
+sys.exit(rank.wait())
+"""
+RANK0 = """
+import os, signal, sys, time
+out = sys.argv[1]
+def stop(*_):
+    open(os.path.join(out, "rank0-stopped"), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(out, "rank0-up"), "w").close()
+while True:
+    time.sleep(0.1)
+"""
+AGENT = """
+import sys
+from greenswarm.node.launchers import run_command_launcher
+code = run_command_launcher(
+    [sys.executable, sys.argv[1], sys.argv[2], sys.argv[3]], None, {"run_dir": sys.argv[3]},
+    released=lambda stopped: False, max_restarts=0, window_s=60.0,
+)
+sys.exit(code)
+"""
+
+
+def _agent(tmp_path: Path, rendezvous_s: float) -> subprocess.Popen:
+    fake = tmp_path / "torchrun.py"
+    fake.write_text(FAKE_TORCHRUN.replace("RANK0", repr(RANK0)))
+    return subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(fake), str(rendezvous_s), str(tmp_path)], start_new_session=True
+    )
+
+
+def test_a_torchrun_groups_agent_stops_it_through_rank_0_and_takes_it_along(tmp_path: Path) -> None:
+    """``node.ranks``: a stop that comes while the group is still starting waits for its rank 0
+    (torchrun, signalled itself, would exit with an error), and an agent killed outright takes the
+    group with it (PR_SET_PDEATHSIG: torchrun gets SIGTERM)."""
+    (tmp_path / "stop").mkdir()
+    agent = _agent(tmp_path / "stop", 2.0)
+    try:
+        time.sleep(0.5)  # torchrun in its rendezvous: no rank 0 yet
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        assert (tmp_path / "stop" / "rank0-stopped").exists()
+        assert not (tmp_path / "stop" / "torchrun-stopped").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+
+    (tmp_path / "kill").mkdir()
+    agent = _agent(tmp_path / "kill", 0.0)
+    try:
+        wait_until(lambda: (tmp_path / "kill" / "rank0-up").exists(), 30, "the rank up")
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        wait_until(lambda: (tmp_path / "kill" / "rank0-stopped").exists(), 30, "the group to stop")
+        assert (tmp_path / "kill" / "torchrun-stopped").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)

@@ -76,9 +76,11 @@ class UnansweredDHT:
 
     def __init__(self) -> None:
         self.cancelled = 0
+        self.blocking = 0  # blocking reads (the view's background poll)
 
     def get(self, key, latest=False, return_future=False):  # noqa: ANN001
         if not return_future:
+            self.blocking += 1
             return None
         dht = self
 
@@ -98,6 +100,7 @@ def test_a_poll_at_a_rounds_boundary_gives_up_and_keeps_the_last_view() -> None:
     dht = UnansweredDHT()
     view = SwarmView(dht, "s", "me", poll_s=3600.0)
     try:
+        wait_until(lambda: dht.blocking == 1, 10, "the background's first poll")  # (then it sleeps)
         view._records = [_record(1)]  # what the last poll read
         began = time.monotonic()
         view.poll_now(timeout_s=0.2)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -323,19 +322,21 @@ def test_a_restart_books_released_and_restarting_and_checks_the_state(
     assert not marker.exists() and r.restart is None
 
 
-def test_a_torchrun_group_is_known_released_by_its_marker(tmp_path: Path) -> None:
+def test_a_torchrun_group_is_known_released_by_its_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A torchrun group's ranks exit 0 when they release (torchrun calls anything else a failure): the
-    agent knows a release by a marker written since the group started, not an older one."""
-    from greenswarm.node.releasing import released_since
+    agent knows a release by a marker that names the launch it started, not an earlier one's."""
+    from greenswarm.node.releasing import LAUNCHED_ENV, released_by
 
     r, ledger = releaser(tmp_path, "idle")
-    assert not released_since(r.run_dir, 0.0)  # no marker: a finished run
+    assert not released_by(r.run_dir, "l1")  # no marker: a finished run
     ledger.advance(T0 + 2 * H, SiteState.SOLO)
-    before = time.time()
+    monkeypatch.setenv(LAUNCHED_ENV, "l1")
     r.release(T0 + 2 * H, T0 + 2 * H, 0.5, "abc")
-    assert released_since(r.run_dir, before) and not released_since(r.run_dir, time.time() + 1)
+    assert released_by(r.run_dir, "l1") and not released_by(r.run_dir, "l2")
     (r.run_dir / "released.json").write_text("{torn")
-    assert not released_since(r.run_dir, 0.0)
+    assert not released_by(r.run_dir, "l1")
 
 
 def test_several_ranks_run_under_a_torchrun_the_agent_starts(
@@ -357,8 +358,8 @@ def test_several_ranks_run_under_a_torchrun_the_agent_starts(
     assert two[-4:] == ["--set", "node.restart=never", "--set", "node.launcher=local"]
     with pytest.raises(ConfigError, match="must be >= 1"):
         load_site_config(None, ["name=s", "region=A", "node.ranks=0"])
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match="is 2 but torchrun started 3 ranks") as err:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="is 2 but torchrun started 3 ranks on this machine") as err:
         run_node(None, None, ["name=s", "region=A", "node.ranks=2"], str(tmp_path))
     assert err.value.field == "node.ranks"
 

@@ -26,7 +26,7 @@ signal to every rank and exit with an error). Under ``command`` and ``slurm`` th
 placeholder is the torchrun command line.
 
 The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases (a torchrun
-group's ranks with 0, and the marker says it: :func:`~greenswarm.node.releasing.released_since`); the
+group's ranks with 0, and the marker says it: :func:`~greenswarm.node.releasing.released_by`); the
 agent then waits for the next window (:func:`~greenswarm.node.releasing.wait_for_window`) and starts it
 again. A trainer killed by a signal (the shell's status 128 + n) is started again, within
 ``node.max_restarts``; any other status ends the agent with it.
@@ -34,6 +34,7 @@ again. A trainer killed by a signal (the shell's status 128 + n) is started agai
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -42,16 +43,22 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 
 import psutil
 
-from greenswarm.node.releasing import LAUNCHED_ENV, RELEASED_EXIT, released_since
+from greenswarm.node.releasing import LAUNCHED_ENV, RELEASED_EXIT, released_by
 from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
+from greenswarm.procs import reap_children
 
 log = logging.getLogger("greenswarm.launcher")
 
 PR_SET_PDEATHSIG = 1
+#: how long a stop waits for a starting torchrun group's rank 0 before it signals torchrun itself
+GROUP_STOP_WAIT_S = 60.0
+#: seconds what a trainer left behind gets to end cleanly before it is killed
+REAP_S = 30.0
 
 
 def trainer_command(
@@ -114,11 +121,19 @@ def torchrun_rank_zero(pid: int) -> int | None:
     return None
 
 
-def _end_with_parent() -> None:
-    """(in the started trainer, before its exec) SIGTERM when the agent dies, even by SIGKILL: a
-    torchrun group would otherwise train on with nobody to stop it (torchrun passes the SIGTERM to
-    its ranks, which stop cleanly)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def _ending_with(parent: int) -> Callable[[], None]:
+    """What a started trainer runs before its exec (``preexec_fn``): SIGTERM when the agent
+    (``parent``) dies, even by SIGKILL -- a torchrun group would otherwise train on with nobody to stop
+    it (torchrun passes the SIGTERM to its ranks, which stop cleanly). The signal is tied to the thread
+    that forks, the agent's main thread here. ``prctl`` is looked up before the fork; an agent that
+    died before it was set is caught by the parent check after."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def end_with_parent() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0 or os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return end_with_parent
 
 
 def run_command_launcher(
@@ -136,22 +151,40 @@ def run_command_launcher(
     stopping: list[int] = []
     proc: subprocess.Popen | None = None
     direct = isinstance(start, list)
+    told: set[int] = set()  # what a stop was passed to: rank-0 workers, process groups
+    asked = [0.0]  # when the first stop came (monotonic)
 
-    def forward(signum: int, _frame: object) -> None:
-        stopping.append(signum)
+    def pass_on(signum: int) -> None:
+        """Pass a stop to the trainer: the operator's stop command, a torchrun group's rank 0 (once
+        each: a group starting, or started again by torchrun, gets it when its rank 0 is up -- see
+        :func:`_wait`), or the command's process group."""
         if proc is None or proc.poll() is not None:
             return
         if stop:
             subprocess.run(expand(stop, **values, signal=str(signum)), shell=True, check=False)
             return
-        rank_zero = torchrun_rank_zero(proc.pid) if direct else None
-        try:
+        target, group = proc.pid, True
+        if direct:
+            rank_zero = torchrun_rank_zero(proc.pid)
+            if rank_zero is None and time.monotonic() - asked[0] < GROUP_STOP_WAIT_S:
+                return  # (torchrun alone would pass it to every rank and exit with an error)
             if rank_zero is not None:
-                os.kill(rank_zero, signum)
+                target, group = rank_zero, False
+        if direct:  # (once to each: the wait passes it on to a group's rank 0 every second)
+            if target in told:
+                return
+            told.add(target)
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(target, signum)
             else:
-                os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+                os.kill(target, signum)
+
+    def forward(signum: int, _frame: object) -> None:
+        if not stopping:
+            asked[0] = time.monotonic()
+        stopping.append(signum)
+        pass_on(signum)
 
     crashes = CrashBudget(max_restarts, window_s)
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
@@ -159,19 +192,23 @@ def run_command_launcher(
         while True:
             if stopping:  # asked to stop while no trainer ran
                 return 0
-            env = dict(os.environ, **{LAUNCHED_ENV: "1"})
-            started = time.time()
+            launch = uuid.uuid4().hex  # (the trainer's marker names it when it releases)
+            env = dict(os.environ, **{LAUNCHED_ENV: launch})
             if isinstance(start, list):
                 log.info("starting the trainer: %s", shlex.join(start))
-                proc = subprocess.Popen(start, start_new_session=True, env=env, preexec_fn=_end_with_parent)
+                ending = _ending_with(os.getpid())
+                proc = subprocess.Popen(start, start_new_session=True, env=env, preexec_fn=ending)
             else:
                 command = expand(start, **values)
                 log.info("starting the trainer: %s", command)
                 proc = subprocess.Popen(command, shell=True, start_new_session=True, env=env)
-            code = _wait(proc)
+            if stopping:  # (a stop that came while it was being started)
+                pass_on(stopping[0])
+            code = _wait(proc, (lambda: pass_on(stopping[0]) if stopping else None) if direct else None)
             log.info("the trainer's command ended with status %d", code)
             proc = None
-            if code == 0 and released_since(values["run_dir"], started):
+            reap_children(timeout=REAP_S)  # what it left: a group's ranks whose torchrun was killed
+            if code == 0 and released_by(values["run_dir"], launch):
                 code = RELEASED_EXIT  # (a torchrun group's release: its ranks exit 0)
             if stopping:
                 return 0 if code == RELEASED_EXIT else code if code >= 0 else 128 + stopping[0]
@@ -194,10 +231,14 @@ def run_command_launcher(
             signal.signal(sig, handler)
 
 
-def _wait(proc: subprocess.Popen) -> int:
-    """The command's status, however many forwarded signals interrupt the wait."""
+def _wait(proc: subprocess.Popen, every_s: Callable[[], None] | None = None) -> int:
+    """The command's status, however many forwarded signals interrupt the wait; ``every_s`` runs
+    every second meanwhile (a stop waiting for a torchrun group's rank 0)."""
     while True:
         try:
-            return proc.wait()
+            return proc.wait(timeout=None if every_s is None else 1.0)
+        except subprocess.TimeoutExpired:
+            assert every_s is not None
+            every_s()
         except InterruptedError:
             continue

@@ -17,7 +17,7 @@ is the node's side of it, in two halves:
 
 A trainer of several ranks (``node.ranks``) is a torchrun group that the agent starts (it cannot fork
 one): its ranks all exit 0 on a release (torchrun calls any other status a failure), and the agent
-knows the release by the marker, written after the trainer started (:func:`released_since`).
+knows the release by the marker, which names the launch (:func:`released_by`).
 
 What is not here yet (issue 41): a site releases only on a trace (not a live signal), by the
 threshold rule (not a deadline plan), and under an agent (the supervisor or a launcher).
@@ -213,6 +213,7 @@ class Releaser:
             "hold_s": decision.hold_s if decision else 0.0,
             "expected_gap_s": decision.expected_gap_s if decision else None,
             "checkpoint_wall_s": checkpoint_wall_s,
+            "launch": os.environ.get(LAUNCHED_ENV),  # (the agent's name for this trainer, if it has one)
         }
         _append(self.run_dir / JOURNAL, entry)
         marker = {**entry, "record": record() if record is not None else None}
@@ -309,15 +310,15 @@ class Releaser:
         )
 
 
-def released_since(run_dir: str | Path, started_wall: float) -> bool:
-    """Whether a trainer started at wall time ``started_wall`` ended for a release: its marker was
-    written since (a torchrun group's ranks exit 0 when they release; a finished run leaves no marker,
-    and a restart's marker stays only until its first step)."""
+def released_by(run_dir: str | Path, launch: str) -> bool:
+    """Whether the trainer that an agent started as ``launch`` (the value of :data:`LAUNCHED_ENV` it
+    gave it) ended for a release: its marker names that launch (a torchrun group's ranks exit 0 when
+    they release; a finished run leaves no marker, an earlier launch's marker names another)."""
     try:
         entry = json.loads((Path(run_dir) / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return isinstance(entry, dict) and float(entry.get("wall", 0.0)) >= started_wall
+    return isinstance(entry, dict) and entry.get("launch") == launch
 
 
 def _append(path: Path, entry: dict[str, Any]) -> None:

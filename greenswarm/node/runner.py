@@ -30,11 +30,11 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
         cfg.swarm.initial_peers = check_peers(initial_peers, "--initial-peers")
     if run_dir:
         cfg.node.run_dir = run_dir
-    ranks = os.environ.get("WORLD_SIZE")  # (set by torchrun: this process is one of its ranks)
-    if ranks is not None and cfg.node.ranks > 1 and int(ranks) != cfg.node.ranks:
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")  # (set by torchrun: this process is one of its ranks)
+    if ranks is not None and cfg.node.ranks > 1 and ranks != str(cfg.node.ranks):
         raise ConfigError(
-            f"is {cfg.node.ranks} but torchrun started {ranks} ranks; start greenswarm node without "
-            "torchrun (it runs one for node.ranks), or leave node.ranks at 1",
+            f"is {cfg.node.ranks} but torchrun started {ranks} ranks on this machine; start greenswarm "
+            "node without torchrun (it runs one for node.ranks), or leave node.ranks at 1",
             field="node.ranks",
         )
     if cfg.node.launcher in ("command", "slurm") or (cfg.node.ranks > 1 and ranks is None):
@@ -81,12 +81,14 @@ def _run_launched(cfg: SiteConfig, config: str, initial_peers: list[str] | None,
     (:mod:`greenswarm.node.launchers`), on the agent's clock."""
     from greenswarm.node.launchers import run_command_launcher, slurm_commands, trainer_command
     from greenswarm.node.releasing import wait_for_window
+    from greenswarm.node.supervisor import become_subreaper
 
+    become_subreaper()  # (a torchrun killed by a signal leaves its ranks to us, to end before a restart)
     pin_replay_start(cfg)
     os.makedirs(cfg.node.run_dir, exist_ok=True)  # (a batch job's output goes there from its start)
     pinned = cfg.scheduler.clock.start_wall
     extra = [f"scheduler.clock.start_wall={pinned!r}"] if pinned is not None else []
-    restarts = cfg.node.max_restarts if cfg.node.restart == "on-crash" else 0
+    restarts = cfg.node.max_restarts
     trainer = trainer_command(
         config, initial_peers, [*overrides, *extra], cfg.node.run_dir, cfg.node.ranks, restarts
     )

@@ -176,6 +176,9 @@ class SiteNode:
                 self.log.info("the deadline plan's work is done: stopping")
                 break
             if state is IDLE:
+                now = self.clock.now()  # (leaving the window may have waited out a round's timeouts)
+                if self.schedule.current(now) is not None:
+                    continue  # the next window opened meanwhile: enter it, no release
                 if not self.releaser.planned:  # (a site started, or restarted after a crash, in a gap)
                     self.releaser.plan(now, after_window=False)
                 if self.releaser.finishing:
@@ -229,7 +232,9 @@ class SiteNode:
                 if old is RESTARTING:
                     self.releaser.restart_missed()
                 self._save_and_release("its window closed")
-                self.releaser.plan(now)
+                after = self.clock.now()  # (the round in flight may have taken seconds)
+                if self.schedule.current(after) is None:  # (else the next window is here: no plan)
+                    self.releaser.plan(after)
             self._report(force=True)
         self._window = window
         return self.state

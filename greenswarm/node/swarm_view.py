@@ -58,10 +58,11 @@ class SwarmView:
 
     def poll_now(self, timeout_s: float | None = None) -> None:
         """Read the records now, in the caller's thread (before decisions that must not use stale
-        views). ``timeout_s``: give up after this long and keep the background's view (at most a poll
-        period old): a peer that does not answer -- frozen, its machine gone -- holds a DHT read for the
-        DHT's own timeout (seconds), and a node reading at every round's boundary would lose that much
-        training, and begin its round late, every round."""
+        views). ``timeout_s``: give up after this long and keep the view the background's last poll
+        read (a poll period old, or as old as that poll is slow): a peer that does not answer -- frozen,
+        its machine gone -- holds a DHT read for the DHT's own timeout (seconds), and a node reading at
+        every round's boundary would lose that much training, and begin its round late, every round.
+        (The DHT's process finishes the read given up; only the caller stops waiting.)"""
         try:
             records = fetch_records(self.dht, self.swarm, timeout_s)
         except TimeoutError:
