@@ -124,6 +124,7 @@ def stopped(*_):
     open(os.path.join(out, "torchrun-stopped"), "w").close()
     sys.exit(1)
 signal.signal(signal.SIGTERM, stopped)
+open(os.path.join(out, "torchrun-up"), "w").close()
 time.sleep(float(sys.argv[1]))
 rank = subprocess.Popen([sys.executable, "-c", RANK0, out], env={**os.environ, "RANK": "0"})
 sys.exit(rank.wait())
@@ -163,9 +164,11 @@ def test_a_torchrun_groups_agent_stops_it_through_rank_0_and_takes_it_along(tmp_
     (torchrun, signalled itself, would exit with an error), and an agent killed outright takes the
     group with it (PR_SET_PDEATHSIG: torchrun gets SIGTERM)."""
     (tmp_path / "stop").mkdir()
-    agent = _agent(tmp_path / "stop", 2.0)
+    agent = _agent(tmp_path / "stop", 5.0)
     try:
-        time.sleep(0.5)  # torchrun in its rendezvous: no rank 0 yet
+        # the agent has started torchrun (its stop handler is in place: a fresh Python's imports before
+        # that take seconds under load), which is in its rendezvous: no rank 0 yet
+        wait_until(lambda: (tmp_path / "stop" / "torchrun-up").exists(), 60, "the agent to start torchrun")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
         assert (tmp_path / "stop" / "rank0-stopped").exists()
@@ -177,7 +180,7 @@ def test_a_torchrun_groups_agent_stops_it_through_rank_0_and_takes_it_along(tmp_
     (tmp_path / "kill").mkdir()
     agent = _agent(tmp_path / "kill", 0.0)
     try:
-        wait_until(lambda: (tmp_path / "kill" / "rank0-up").exists(), 30, "the rank up")
+        wait_until(lambda: (tmp_path / "kill" / "rank0-up").exists(), 60, "the rank up")
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         wait_until(lambda: (tmp_path / "kill" / "rank0-stopped").exists(), 30, "the group to stop")
