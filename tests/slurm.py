@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,8 +63,12 @@ def single_node_slurm(root: Path) -> Iterator[dict[str, str]]:
             pytest.fail(f"GREENSWARM_REQUIRE_SLURM is set but {why}")
         pytest.skip(why)
     host = socket.gethostname()
-    for sub in ("state", "spool", "log"):
+    for sub in ("state", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    # slurmd's spool holds each job step's UNIX socket (<spool>/<host>_<job>.<step>, at most 107 bytes):
+    # under a soak's longer temporary root (/tmp/greenswarm-soak-N-xxxxxxxx/basetemp/...) the path was
+    # 110 bytes, no step could start, and every job stayed pending (soak of 2725dee, 2 runs of 2)
+    spool = Path(tempfile.mkdtemp(prefix="gs-slurmd-", dir="/tmp"))
     conf = root / "slurm.conf"
     conf.write_text(
         f"""ClusterName=greenswarm-test
@@ -72,7 +77,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/log/slurmctld.log
@@ -120,6 +125,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

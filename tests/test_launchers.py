@@ -131,11 +131,15 @@ sys.exit(rank.wait())
 """
 RANK0 = """
 import os, signal, sys, time
+from greenswarm.node.releasing import RANK0_READY
+from greenswarm.procs import set_process_name
 out = sys.argv[1]
 def stop(*_):
     open(os.path.join(out, "rank0-stopped"), "w").close()
     sys.exit(0)
+time.sleep(1.0)  # a rank's start-up: a SIGTERM now would end it (no handler yet), as a real rank's would
 signal.signal(signal.SIGTERM, stop)
+set_process_name(RANK0_READY)
 open(os.path.join(out, "rank0-up"), "w").close()
 while True:
     time.sleep(0.1)
@@ -160,9 +164,10 @@ def _agent(tmp_path: Path, rendezvous_s: float) -> subprocess.Popen:
 
 
 def test_a_torchrun_groups_agent_stops_it_through_rank_0_and_takes_it_along(tmp_path: Path) -> None:
-    """``node.ranks``: a stop that comes while the group is still starting waits for its rank 0
-    (torchrun, signalled itself, would exit with an error), and an agent killed outright takes the
-    group with it (PR_SET_PDEATHSIG: torchrun gets SIGTERM)."""
+    """``node.ranks``: a stop that comes while the group is still starting waits for its rank 0 to be
+    ready to stop (torchrun, signalled itself, would exit with an error; a rank signalled mid-start
+    dies, and torchrun would start the group again: soak of 2725dee), and an agent killed outright
+    takes the group with it (PR_SET_PDEATHSIG: torchrun gets SIGTERM)."""
     (tmp_path / "stop").mkdir()
     agent = _agent(tmp_path / "stop", 5.0)
     try:

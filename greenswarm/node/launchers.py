@@ -21,9 +21,9 @@
 With ``node.ranks`` above 1 the trainer is a torchrun group (``--standalone --nproc-per-node``): the
 agent cannot fork one, so under ``local`` it starts torchrun itself (a fresh Python, its restarts pay
 for the imports), with no shell in between, ending with the agent if the agent dies; a stop goes to
-the rank-0 worker, which stops the other ranks and lets torchrun exit 0 (torchrun would pass the
-signal to every rank and exit with an error). Under ``command`` and ``slurm`` the ``{trainer}``
-placeholder is the torchrun command line.
+the rank-0 worker once it is ready to stop cleanly (named ``gs-rank0``), which stops the other ranks
+and lets torchrun exit 0 (torchrun would pass the signal to every rank and exit with an error).
+Under ``command`` and ``slurm`` the ``{trainer}`` placeholder is the torchrun command line.
 
 The trainer ends with :data:`~greenswarm.node.releasing.RELEASED_EXIT` when it releases (a torchrun
 group's ranks with 0, and the marker says it: :func:`~greenswarm.node.releasing.released_by`); the
@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import psutil
 
-from greenswarm.node.releasing import LAUNCHED_ENV, RELEASED_EXIT, released_by
+from greenswarm.node.releasing import LAUNCHED_ENV, RANK0_READY, RELEASED_EXIT, released_by
 from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
 from greenswarm.procs import reap_children
 
@@ -121,6 +121,14 @@ def torchrun_rank_zero(pid: int) -> int | None:
     return None
 
 
+def _named(pid: int, name: str) -> bool:
+    """Whether process ``pid`` runs under the name ``name`` (see :data:`RANK0_READY`)."""
+    try:
+        return psutil.Process(pid).name() == name
+    except psutil.Error:
+        return False
+
+
 def _ending_with(parent: int) -> Callable[[], None]:
     """What a started trainer runs before its exec (``preexec_fn``): SIGTERM when the agent
     (``parent``) dies, even by SIGKILL -- a torchrun group would otherwise train on with nobody to stop
@@ -166,6 +174,8 @@ def run_command_launcher(
         target, group = proc.pid, True
         if direct:
             rank_zero = torchrun_rank_zero(proc.pid)
+            if rank_zero is not None and not _named(rank_zero, RANK0_READY):
+                rank_zero = None  # (still starting: the signal would end it, and torchrun start it again)
             if rank_zero is None and time.monotonic() - asked[0] < GROUP_STOP_WAIT_S:
                 return  # (torchrun alone would pass it to every rank and exit with an error)
             if rank_zero is not None:

@@ -59,6 +59,10 @@ RELEASED_EXIT = 75
 MARKER = "released.json"
 #: set in a launched trainer's environment: an agent starts it again after a release or a crash
 LAUNCHED_ENV = "GREENSWARM_LAUNCHED"
+#: the process name a torchrun group's rank 0 takes once it stops cleanly on SIGTERM (its node built, its
+#: handler in place): an agent passes a stop only to a rank 0 that has it (earlier, the signal would
+#: end that rank mid-start, and torchrun would call it a failure and start the group again)
+RANK0_READY = "gs-rank0"
 JOURNAL = "releases.jsonl"
 #: the measured restarts the rule takes the median of
 RECENT_RESTARTS = 5

@@ -18,8 +18,8 @@ import time
 from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.network import check_peers
 from greenswarm.node.config import SiteConfig, load_site_config
-from greenswarm.node.releasing import LAUNCHED_ENV
-from greenswarm.procs import exit_with_parent, on_termination, reap_children
+from greenswarm.node.releasing import LAUNCHED_ENV, RANK0_READY
+from greenswarm.procs import exit_with_parent, on_termination, reap_children, set_process_name
 
 log = logging.getLogger("greenswarm.node")
 
@@ -135,6 +135,8 @@ def _run_site(cfg: SiteConfig, config: str, supervised: bool = False) -> int:
     except ConfigError as e:  # checks that need the trace (the region) still point at the config file
         raise e.located(where=e.where or config) from None
     on_termination(node.request_stop)
+    if node.world.distributed and node.world.is_leader:
+        set_process_name(RANK0_READY)  # (a stop from the agent may come now: see greenswarm.node.launchers)
     if supervised:
         exit_with_parent(on_orphaned=node.request_stop)  # the supervisor was killed: stop cleanly
     try:
