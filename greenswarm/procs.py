@@ -34,6 +34,8 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
 _SPARED = frozenset({"torch_shm_manager"})
 
 
+#: prctl's option that signals the calling thread's process when the thread that forked it ends
+PR_SET_PDEATHSIG = 1
 #: prctl's option that names the calling thread (the process's name, for its main thread)
 PR_SET_NAME = 15
 
@@ -45,6 +47,21 @@ def set_process_name(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def ending_with_parent(parent: int) -> Callable[[], None]:
+    """What a started command runs before its exec (``preexec_fn``): SIGTERM when ``parent`` dies,
+    even by SIGKILL -- a torchrun group would otherwise train on with nobody to stop it (torchrun
+    passes the SIGTERM to its ranks, which stop cleanly). The signal is tied to the thread that forks.
+    ``prctl`` is looked up before the fork; a parent that died before it was set is caught by the
+    parent check after."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def end_with_parent() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0 or os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return end_with_parent
 
 
 def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:

@@ -35,7 +35,6 @@ again. A trainer killed by a signal (the shell's status 128 + n) is started agai
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shlex
@@ -50,11 +49,10 @@ import psutil
 
 from greenswarm.node.releasing import LAUNCHED_ENV, RANK0_READY, RELEASED_EXIT, released_by
 from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
-from greenswarm.procs import reap_children
+from greenswarm.procs import ending_with_parent, reap_children
 
 log = logging.getLogger("greenswarm.launcher")
 
-PR_SET_PDEATHSIG = 1
 #: how long a stop waits for a starting torchrun group's rank 0 before it signals torchrun itself
 GROUP_STOP_WAIT_S = 60.0
 #: seconds what a trainer left behind gets to end cleanly before it is killed
@@ -129,21 +127,6 @@ def _named(pid: int, name: str) -> bool:
         return False
 
 
-def _ending_with(parent: int) -> Callable[[], None]:
-    """What a started trainer runs before its exec (``preexec_fn``): SIGTERM when the agent
-    (``parent``) dies, even by SIGKILL -- a torchrun group would otherwise train on with nobody to stop
-    it (torchrun passes the SIGTERM to its ranks, which stop cleanly). The signal is tied to the thread
-    that forks, the agent's main thread here. ``prctl`` is looked up before the fork; an agent that
-    died before it was set is caught by the parent check after."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def end_with_parent() -> None:
-        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0 or os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return end_with_parent
-
-
 def run_command_launcher(
     start: str | list[str],
     stop: str | None,
@@ -206,7 +189,7 @@ def run_command_launcher(
             env = dict(os.environ, **{LAUNCHED_ENV: launch})
             if isinstance(start, list):
                 log.info("starting the trainer: %s", shlex.join(start))
-                ending = _ending_with(os.getpid())
+                ending = ending_with_parent(os.getpid())
                 proc = subprocess.Popen(start, start_new_session=True, env=env, preexec_fn=ending)
             else:
                 command = expand(start, **values)

@@ -233,9 +233,8 @@ class Releaser:
         stretch up to the agent's restart and the restart since at training power, and check that
         the state restored is the state released (``state_digest``); whether it was released."""
         marker = self.run_dir / MARKER
-        try:
-            entry = json.loads(marker.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        entry = read_marker(self.run_dir)
+        if not entry:
             return False
         current = (
             self.off is None
@@ -318,11 +317,16 @@ def released_by(run_dir: str | Path, launch: str) -> bool:
     """Whether the trainer that an agent started as ``launch`` (the value of :data:`LAUNCHED_ENV` it
     gave it) ended for a release: its marker names that launch (a torchrun group's ranks exit 0 when
     they release; a finished run leaves no marker, an earlier launch's marker names another)."""
+    return read_marker(run_dir).get("launch") == launch
+
+
+def read_marker(run_dir: str | Path) -> dict[str, Any]:
+    """The release marker in ``run_dir`` (empty: none, or torn)."""
     try:
         entry = json.loads((Path(run_dir) / MARKER).read_text())
     except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(entry, dict) and entry.get("launch") == launch
+        return {}
+    return entry if isinstance(entry, dict) else {}
 
 
 def _append(path: Path, entry: dict[str, Any]) -> None:
@@ -346,10 +350,7 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
             marker.unlink(missing_ok=True)  # (the run ends released: its checkpoint holds the state)
             return False
         if schedule.in_window(now):
-            try:
-                entry = json.loads(marker.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                entry = {}
+            entry = read_marker(cfg.node.run_dir)
             entry.update(restart_clock=now, restart_wall=time.time())
             write_private(marker, json.dumps(entry).encode())
             log.info("window opens (%s): starting the trainer again", utc_minute(now))
