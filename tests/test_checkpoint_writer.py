@@ -238,3 +238,32 @@ def test_a_restarted_site_writes_its_first_outer_step_whatever_the_cadence(tmp_p
     assert again.resume() and state2.outer_round == 1
     _step(again, state2, 5)
     assert ranks2.taken == 1 and _written_step(tmp_path) == 2
+
+
+@pytest.mark.parametrize(("schedule", "warmup"), [("constant", 20), ("cosine", 2)], ids=["warm-up", "decay"])
+def test_a_trainer_restored_mid_warm_up_is_the_trainer_saved(
+    tmp_path: Path, schedule: str, warmup: int
+) -> None:
+    """A release while the learning rate still warms up (or decays): the restored trainer's state is
+    the saved one, its digest included, and its next step is the step the saved trainer takes. (Its
+    groups held the configured peak instead of the rate the last step used, so a `small` site's
+    restarts, released 11-18 steps into a 20-step warm-up, all said "not the state released".)"""
+    from greenswarm.digests import content_digest
+
+    data = DataConfig(seq_len=16, shard_index=0, num_shards=1)
+    cfg = TrainConfig(batch_size=2, micro_batch_size=2, threads=1, warmup_steps=warmup,
+                      schedule=schedule, total_steps=40)  # fmt: skip
+
+    def trainer() -> InnerTrainer:
+        return InnerTrainer(ModelConfig(), data, cfg, World())
+
+    saved = trainer()
+    for _ in range(3):
+        saved.step()
+    path = tmp_path / "state.pt"
+    torch.save(saved.state_dict(), path)
+    restored = trainer()
+    restored.load_state_dict(torch.load(path, weights_only=False))
+    assert content_digest(restored.state_dict()) == content_digest(saved.state_dict())
+    assert restored.step().loss == saved.step().loss
+    assert content_digest(restored.state_dict()) == content_digest(saved.state_dict())

@@ -112,8 +112,12 @@ class InnerTrainer:
         self.tokens_per_step = self.micro_batch * self.accumulation * data_cfg.seq_len * world.world_size
 
     def _lr(self) -> float:
-        """AdamW's learning rate for the next step: linear warm-up, then held or cosine-decayed."""
-        cfg, step = self.cfg, self.steps + 1
+        """AdamW's learning rate for the next step."""
+        return self._lr_at(self.steps + 1)
+
+    def _lr_at(self, step: int) -> float:
+        """AdamW's learning rate for step ``step`` (from 1): linear warm-up, then held or cosine-decayed."""
+        cfg = self.cfg
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return cfg.lr * step / cfg.warmup_steps
         if getattr(cfg, "schedule", "constant") != "cosine":
@@ -375,6 +379,13 @@ class InnerTrainer:
             self.schedule_free.adopt_x_from_parameters()  # the model loaded x: make it the state's
         positions = self.world.broadcast(state.get("data"))
         self.steps = int(self.world.broadcast(state.get("steps", 0)))
+        if self.schedule_free is None and self.steps:
+            # the rate the last step used, as the saved groups held it (each step sets its own): a
+            # state restored mid warm-up (or decay) is then the state saved, digest included, not
+            # one with the configured peak in its groups (every release of a site still warming up
+            # was reported as "not the state released")
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr_at(self.steps)
         if positions:
             self.batches.load_state_dict(positions[self.world.rank])
             self._iterator = iter(self.batches)
