@@ -432,3 +432,65 @@ def test_a_site_listens_on_the_port_of_its_last_start(tmp_path: Path) -> None:
     assert listen_port.remembered(tmp_path, ephemeral) == ephemeral
     listen_port.remember(tmp_path, ["/ip4/0.0.0.0/tcp/7000"], ["/ip4/127.0.0.1/tcp/7000/p2p/X"])  # fixed
     assert not (tmp_path / listen_port.FILE).exists()
+
+
+def test_a_released_sites_presence_serves_its_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the trainer is gone its presence serves ``node.metrics_port``: state RELEASED, the run's
+    totals as the release's checkpoint holds them, no window open and the next one's start; a port
+    held by another process costs the presence its metrics, never its place in the swarm."""
+    import socket
+    import time
+    import urllib.request
+
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from greenswarm.averaging.outer import OuterOptimizer
+    from greenswarm.node.global_state import GlobalState
+    from greenswarm.node.presence import _serve_metrics
+    from greenswarm.node.site_stats import SiteStats
+    from tests.conftest import free_port
+
+    port = free_port()
+    # the replay's clock 2.5 h in: between the first window (0-2 h) and the second (from 4 h)
+    clock = [
+        "scheduler.clock.kind=replay",
+        "scheduler.clock.speedup=1",
+        f"scheduler.clock.start_wall={time.time() - 2.5 * H}",
+    ]
+    r, ledger = releaser(tmp_path, "idle", f"node.metrics_port={port}", *clock)
+    ledger.advance(T0 + 2 * H, SiteState.SOLO)
+    stats = SiteStats()
+    stats.tokens, stats.local_steps = 4096, 16
+    state = GlobalState(OuterOptimizer.from_config(torch.zeros(8), "sgd", 0.7, 0.9, True), "s")
+    payload = {"site": {**state.position(), **stats.state_dict()}, "ledger": ledger.state_dict()}
+    site, metrics = _serve_metrics(r.cfg, payload, state)
+    assert metrics is not None and site.state is SiteState.RELEASED
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        metrics.close()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("greenswarm_state", (("state", "RELEASED"),))] == 1
+    assert samples[("greenswarm_state", (("state", "SOLO"),))] == 0
+    assert (
+        samples[("greenswarm_run_tokens", ())] == 4096 and samples[("greenswarm_run_local_steps", ())] == 16
+    )
+    assert samples[("greenswarm_tokens_total", ())] == 0  # (this process trained nothing)
+    assert samples[("greenswarm_run_state_seconds", (("state", "SOLO"),))] == 2 * H
+    assert samples[("greenswarm_in_window", ())] == 0
+    assert samples[("greenswarm_next_window_start_timestamp_seconds", ())] == T0 + 4 * H
+
+    with socket.socket() as held:  # its port taken by another process: the presence goes on without
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r.cfg.node.metrics_port = held.getsockname()[1]
+        _, none = _serve_metrics(r.cfg, payload, state)
+    assert none is None
+    assert "presence: no metrics while released" in caplog.text and "node.metrics_port" in caplog.text

@@ -14,14 +14,16 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from greenswarm.jsonlines import read_json_lines
 from greenswarm.node.presence import PROCESS_NAME as PRESENCE
-from tests.conftest import Swarm, site_config, wait_until, write_trace
+from tests.conftest import Swarm, free_port, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.release, pytest.mark.swarm, pytest.mark.faults]
 
@@ -172,10 +174,12 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     peers = swarm.bootstrap()
     runs = tmp_path / "runs"
     names = {region: f"site-{region.lower()}" for region in PAIR}
+    metrics_a = free_port()  # site-a's endpoint: its trainer's, and its presence's while released
     for region, name in names.items():
         cfg = site_config(
             name, region, trace_path, peers, runs / name, speedup=SPEEDUP, start_file=start_file,
             sync_s=600.0, release={"mode": "idle"},
+            node={"metrics_port": metrics_a} if region == "A" else {},
         )  # fmt: skip
         swarm.node(name, swarm.write_config(name, cfg))
     start_wall = swarm.start_replay(list(names.values()), start_file)
@@ -183,6 +187,11 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     # its process is gone (its last record lives on at the bootstrap until then)
     journal_a = runs / "site-a" / "releases.jsonl"
     wait_until(lambda: read_json_lines(journal_a), 60, "site-a's first release")
+    # ...and a scrape of its metrics port finds its presence there: RELEASED, with the run's totals
+    scraped: dict[tuple[str, str], float] = {}
+    wait_until(lambda: _scrape(metrics_a, scraped) and scraped.get(("greenswarm_state", "RELEASED")) == 1,
+               9, "site-a's presence to serve its metrics")  # fmt: skip
+    assert scraped[("greenswarm_run_tokens", "")] > 0 and scraped[("greenswarm_in_window", "")] == 0
     shown = swarm.run("progress", "--initial-peers", *peers, "--swarm", "test", "--json")
     assert shown.returncode == 0, shown.stderr
     rows = [r for r in json.loads(shown.stdout) if r["site"] == "site-a" and r["state"] == "RELEASED"]
@@ -227,6 +236,21 @@ def test_released_sites_keep_the_lineage_and_book_what_the_simulator_books(
     sim = simulate(trace, list(PAIR), policy, start=trace.start).report
     assert sim["restarts"] == 2
     assert sim["emissions_kg"] == pytest.approx(booked_kg, rel=0.03), (sim["emissions_kg"], booked_kg)
+
+
+def _scrape(port: int, into: dict[tuple[str, str], float]) -> bool:
+    """Read ``/metrics`` on 127.0.0.1:``port`` into ``into`` ((name, first label's value) -> value);
+    False while nothing answers there (between a trainer and its presence)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return False
+    into.clear()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            into[(sample.name, next(iter(sample.labels.values()), ""))] = sample.value
+    return True
 
 
 def _group(agent: psutil.Process) -> tuple[list[psutil.Process], list[psutil.Process]]:

@@ -10,6 +10,11 @@ what a checkpoint's ``outer`` holds), no trainer, no optimizer, no GPU.
 
 Without it a site that enters a window while every site ahead of it is released would go on from
 its own older state, and the lineages would have to be reconciled later.
+
+It also serves the site's metrics (``node.metrics_port``) while the trainer is gone, so a scrape of a
+released site finds it RELEASED with its run's totals (as the release's checkpoint holds them) rather
+than a dead endpoint: the same collector as the trainer's (:class:`~greenswarm.node.metrics.
+SiteCollector`), reading a :class:`ReleasedSite` instead of a running node.
 """
 
 from __future__ import annotations
@@ -18,24 +23,80 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from greenswarm.averaging.outer import OuterOptimizer
+from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.export import MODEL_FILE
 from greenswarm.node.global_state import GlobalState
 from greenswarm.node.joining import join_swarm
+from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
 from greenswarm.node.model import ModelIdentity
 from greenswarm.node.progress import ProgressRecord
 from greenswarm.node.releasing import MARKER
+from greenswarm.node.round_log import RoundLog
+from greenswarm.node.site_stats import SiteStats
 from greenswarm.procs import exit_with_parent, on_termination, set_process_name
+from greenswarm.scheduler.energy import EnergyLedger, make_power_model
+from greenswarm.scheduler.site_schedule import site_schedule
+from greenswarm.scheduler.state import SiteState
 
 log = logging.getLogger("greenswarm.presence")
 
 #: the presence process's name (``ps -o comm``): it is a fork of the agent, with the agent's command line
 PROCESS_NAME = "gs-presence"
+
+
+@dataclass
+class ReleasedSite:
+    """A released site as its metrics read it (:class:`~greenswarm.node.metrics.MeteredSite`): state
+    RELEASED, its counters, ledger and global state as the release's checkpoint left them, the swarm
+    once the presence has joined; no trainer, no federation, no shards."""
+
+    cfg: SiteConfig
+    clock: Any
+    schedule: Any
+    ledger: EnergyLedger
+    stats: SiteStats
+    global_state: GlobalState
+    round_log: RoundLog
+    log: logging.Logger
+    state: SiteState = SiteState.RELEASED
+    peer_id: str = ""
+    swarm: Any = None
+    world: Any = None
+    federation: Any = None
+    trainer: Any = None
+    shards: Any = None
+    connections: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _serve_metrics(
+    cfg: SiteConfig, payload: dict[str, Any], state: GlobalState
+) -> tuple[ReleasedSite, SiteMetrics | None]:
+    """The released site's metrics endpoint (None when ``node.metrics_port`` is off, or cannot be
+    bound now: said in one line, and the presence goes on without it -- standing in the swarm matters
+    more than a scrape)."""
+    schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+    ledger = EnergyLedger(
+        schedule.trace, cfg.region, make_power_model(cfg.energy, on_gpu=False), start=clock.now()
+    )
+    ledger.load_state_dict(payload["ledger"])
+    stats = SiteStats()
+    stats.load_state_dict(payload["site"])
+    site = ReleasedSite(
+        cfg, clock, schedule, ledger, stats, state, RoundLog(cfg.node.run_dir, time.monotonic()), log
+    )
+    try:
+        return site, serve_site_metrics(site)
+    except ConfigError as err:  # the port is held (by what the trainer left, or another process)
+        log.warning("presence: no metrics while released: %s", err)
+        return site, None
 
 
 def run_presence(cfg: SiteConfig) -> int:
@@ -60,11 +121,18 @@ def run_presence(cfg: SiteConfig) -> int:
     )  # fmt: skip
     state = GlobalState(outer, cfg.name)
     state.adopt(payload["site"], payload["outer"])
+    site, metrics = _serve_metrics(cfg, payload, state)
     del payload  # (the trainer's part, model and optimizer, is not served: only the global state)
     stop = threading.Event()
     on_termination(stop.set)
     exit_with_parent(on_orphaned=stop.set)  # an agent killed outright must not leave it standing in
-    swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
+    try:
+        swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
+    site.swarm, site.peer_id = swarm, swarm.peer_id
     try:
         (outer_round, lineage, round_index), attested = state.attestation()
         wire.update(
@@ -84,5 +152,7 @@ def run_presence(cfg: SiteConfig) -> int:
             swarm.entry.poll()
             stop.wait(cfg.node.idle_wall_s)
     finally:
+        if metrics is not None:
+            metrics.close()  # (first: the trainer binds the same port once this process has ended)
         swarm.close(log)
     return 0
