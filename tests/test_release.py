@@ -286,7 +286,7 @@ def test_a_site_that_cannot_release_says_why(tmp_path: Path) -> None:
     # several ranks: only a torchrun group the agent started (node.ranks) can be started again
     assert "node.ranks: 2" in why_not_releasing(cfg, schedule, 2, True)
     assert why_not_releasing(cfg, schedule, 2, True, launched=True) is None
-    assert "live signal" in why_not_releasing(cfg, object(), 1, True)
+    assert "deadline plan" in why_not_releasing(cfg, object(), 1, True)
     r.off = "x"
     r.plan(T0 + 2 * H)
     assert r.release_at == math.inf
@@ -494,3 +494,68 @@ def test_a_released_sites_presence_serves_its_metrics(
         _, none = _serve_metrics(r.cfg, payload, state)
     assert none is None
     assert "presence: no metrics while released" in caplog.text and "node.metrics_port" in caplog.text
+
+
+def _live(tmp_path: Path, mode: str, hours_in: float, speedup: float):
+    """A site following CLEAN_DIRTY's trace as a live signal (``signal.kind: trace``: its samples
+    arrive as the clock passes them), on a replay ``hours_in`` hours into it: its schedule, clock
+    and config, the feed not polled yet."""
+    import logging
+    import time
+
+    from greenswarm.scheduler.site_schedule import site_schedule
+
+    r, _ = releaser(
+        tmp_path, mode, "scheduler.signal.kind=trace", "scheduler.signal.poll_s=300",
+        "scheduler.clock.kind=replay", f"scheduler.clock.speedup={speedup}",
+        f"scheduler.clock.start_wall={time.time() - hours_in * H / speedup}",
+    )  # fmt: skip
+    cfg = r.cfg
+    log = logging.getLogger("test.release")
+    schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+    return cfg, schedule, clock, log
+
+
+def test_a_site_on_a_live_signal_plans_its_release_from_what_it_observed(tmp_path: Path) -> None:
+    """A live signal's next window is unknown: the rule reads the forecast of what the feed observed
+    (persistence: dirty for ever, so `auto` releases after its hold) and no restart is planned."""
+    from greenswarm.node.releasing import Releaser, why_not_releasing
+    from greenswarm.scheduler.energy import EnergyLedger, PowerModel
+    from greenswarm.scheduler.live import LiveSchedule
+
+    cfg, schedule, clock, log = _live(tmp_path, "auto", 2.5, 1.0)
+    assert isinstance(schedule, LiveSchedule) and why_not_releasing(cfg, schedule, 1, True) is None
+    schedule.feed.poll()
+    now = clock.now()
+    assert not schedule.in_window(now) and schedule.next_window(now) is None
+    ledger = EnergyLedger(lambda: schedule.trace, "A", PowerModel(2.024, 0.468), start=now)
+    r = Releaser(cfg, schedule, clock, ledger, log, supervised=True)
+    r.plan(now)
+    assert r.off is None and not r.finishing
+    assert r.decision.expected_gap_s is not None and r.release_at == pytest.approx(now + r.decision.hold_s)
+    assert math.isfinite(r.release_at)
+    schedule.feed.stop()
+
+
+def test_a_released_agent_polls_a_live_signal_without_a_thread_and_restarts_at_its_window(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent, released 3.5 h into CLEAN_DIRTY (its second window opens at 4 h), polls the feed
+    itself: no thread outlives the wait (the trainer is forked next), and the window it returns at
+    is the one the samples showed."""
+    import threading
+
+    from greenswarm.node.releasing import MARKER, wait_for_window
+
+    speedup = 1800.0  # (half an hour a wall second: the window opens a second in)
+    cfg, _, _, log = _live(tmp_path, "idle", 3.5, speedup)
+    marker = Path(cfg.node.run_dir) / MARKER
+    marker.write_text(json.dumps({"record": {}, "clock": T0 + 2 * H}))
+    threads = set(threading.enumerate())
+    caplog.set_level("INFO")
+    assert wait_for_window(cfg, lambda: False, log) is True
+    assert set(threading.enumerate()) <= threads
+    restart = json.loads(marker.read_text())["restart_clock"]
+    # the window opens at 4 h; the agent saw it at the first poll that brought that sample
+    assert T0 + 4 * H <= restart < T0 + 4 * H + 2 * cfg.scheduler.signal.poll_s
+    assert "starting the trainer again" in caplog.text

@@ -70,17 +70,19 @@ def _presences(agent: psutil.Process) -> list[psutil.Process]:
 
 
 def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm, tmp_path: Path) -> None:
-    """First gap: the agent alone; the trainer started for the next window is killed while it starts,
-    forked again, and resumes the state released. Second gap: the release's checkpoint
-    is damaged; the trainer falls back to the previous one and says so. Third window: the agent is
-    killed; its trainer stops and leaves nothing."""
+    """A site that follows its trace as a live signal (``signal.kind: trace``: each sample arrives as
+    the clock passes it; the agent polls it while the site is released). First gap: the agent alone;
+    the trainer started for the next window is killed while it starts, forked again, and resumes
+    the state released. Second gap: the release's checkpoint is damaged; the trainer falls back to
+    the previous one and says so. Third window: the agent is killed; its trainer stops and leaves
+    nothing."""
     trace = write_trace(tmp_path / "trace.csv", TRACE, step_s=900)
     start_file = tmp_path / "start"
     peers = swarm.bootstrap()
     run_dir = tmp_path / "site"
     cfg = site_config(
         "site", "A", trace, peers, run_dir, speedup=SPEEDUP, start_file=start_file, sync_s=600.0,
-        release={"mode": "idle"},
+        release={"mode": "idle"}, scheduler={"signal": {"kind": "trace", "poll_s": 120.0}},
     )  # fmt: skip
     swarm.node("site", swarm.write_config("site", cfg))
     swarm.start_replay(["site"], start_file)

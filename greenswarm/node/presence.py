@@ -43,6 +43,8 @@ from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.procs import exit_with_parent, on_termination, set_process_name
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
+from greenswarm.scheduler.live import LiveSchedule
+from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.site_schedule import site_schedule
 from greenswarm.scheduler.state import SiteState
 
@@ -83,9 +85,9 @@ def _serve_metrics(
     bound now: said in one line, and the presence goes on without it -- standing in the swarm matters
     more than a scrape)."""
     schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
-    ledger = EnergyLedger(
-        schedule.trace, cfg.region, make_power_model(cfg.energy, on_gpu=False), start=clock.now()
-    )
+    # a live signal's feed is not polled here (the agent polls it): its window comes from the record
+    trace = schedule.trace if isinstance(schedule, WindowSchedule) else (lambda: None)
+    ledger = EnergyLedger(trace, cfg.region, make_power_model(cfg.energy, on_gpu=False), start=clock.now())
     ledger.load_state_dict(payload["ledger"])
     stats = SiteStats()
     stats.load_state_dict(payload["site"])
@@ -154,5 +156,7 @@ def run_presence(cfg: SiteConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()  # (first: the trainer binds the same port once this process has ended)
+        if isinstance(site.schedule, LiveSchedule):
+            site.schedule.feed.stop()  # (never started: closes its source)
         swarm.close(log)
     return 0

@@ -19,8 +19,10 @@ A trainer of several ranks (``node.ranks``) is a torchrun group that the agent s
 one): its ranks all exit 0 on a release (torchrun calls any other status a failure), and the agent
 knows the release by the marker, which names the launch (:func:`released_by`).
 
-What is not here yet (issue 41): a site releases only on a trace (not a live signal), by the
-threshold rule (not a deadline plan), and under an agent (the supervisor or a launcher).
+A site releases on a trace's windows or on a live signal (the agent then polls the feed itself,
+on its own clock, with no thread: it forks the trainer next); not on a deadline plan, whose windows
+depend on the trainer's progress (such a site says so and holds), and only under an agent (the
+supervisor or a launcher).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from greenswarm.jsonlines import read_json_lines
 from greenswarm.private_files import write_private
 from greenswarm.scheduler.energy import EnergyLedger
+from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import WindowSchedule
 from greenswarm.scheduler.release import (
     ReleaseDecision,
@@ -82,8 +85,11 @@ def why_not_releasing(
             "its ranks were started by a torchrun of its own, which nothing starts again; set "
             f"node.ranks: {world_size} and start greenswarm node without torchrun (it runs one)"
         )
-    if not isinstance(schedule, WindowSchedule):
-        return "only a site on a trace's windows releases yet (not a live signal or a deadline plan)"
+    if not isinstance(schedule, WindowSchedule | LiveSchedule):
+        return (
+            "a deadline plan's windows depend on its trainer's progress, which a released site does "
+            "not make: only a site on a trace's windows or a live signal releases"
+        )
     return None
 
 
@@ -158,10 +164,11 @@ class Releaser:
         self.release_at, self.planned = math.inf, True
         if self.off is not None:
             return
-        assert isinstance(self.schedule, WindowSchedule)
+        # a live signal's next window is unknown (its end is the agent's to notice, released)
+        static = isinstance(self.schedule, WindowSchedule)
         nxt = self.schedule.next_window(now)
         ends = self.cfg.node.stop_at_trace_end or math.isfinite(self.stop_at)
-        if ends and (nxt is None or nxt.start >= self.stop_at):
+        if static and ends and (nxt is None or nxt.start >= self.stop_at):
             self.finishing = True
             self.log.info("release: no window is left before the run ends: the trainer finishes now")
             return
@@ -169,8 +176,8 @@ class Releaser:
         gap = None
         mode = self.cfg.release.mode if after_window else "auto"
         forecaster = release_forecaster(self.cfg.scheduler, mode)
-        if forecaster is not None:
-            trace, region = self.schedule.trace, self.cfg.region
+        trace, region = self.schedule.trace, self.cfg.region  # (a live signal's: what it observed)
+        if forecaster is not None and trace is not None:
             level = enter_level(self.cfg.scheduler.window_policy(), trace, region)
             gap = expected_gap_s(forecaster, trace, region, now, level)
         self.decision = rule.decide(gap, mode)
@@ -339,13 +346,32 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
     again), or for a stop, the trace's end or ``node.stop_at`` (False). Reads the same schedule and
     clock as the node (a replay's ``start_wall`` is pinned before the first fork)."""
     from greenswarm.scheduler.site_schedule import site_schedule
-    from greenswarm.timefmt import utc_minute
 
     schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+    # a live signal: polled here, between sleeps, never on a thread (the agent forks the trainer next,
+    # and a fork must not find a thread mid-request); its windows come as its samples do
+    feed = schedule.feed if isinstance(schedule, LiveSchedule) else None
+    try:
+        return _wait(cfg, schedule, clock, feed, stopped, log)
+    finally:
+        if feed is not None:
+            feed.stop()  # (closes its source: no thread was started)
+
+
+def _wait(
+    cfg: SiteConfig, schedule: Any, clock: Clock, feed: Any, stopped: Callable[[], bool], log: logging.Logger
+) -> bool:
+    """:func:`wait_for_window`'s loop; ``feed``: a live signal's, polled every ``poll_s`` of the clock."""
+    from greenswarm.timefmt import utc_minute
+
     stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
     marker = Path(cfg.node.run_dir) / MARKER
+    poll_at = -math.inf if feed is not None else math.inf
     while not stopped():
         now = clock.now()
+        if feed is not None and now >= poll_at:
+            feed.poll()
+            poll_at, now = now + feed.poll_s, clock.now()
         if (cfg.node.stop_at_trace_end and now >= schedule.end) or now >= stop_at:
             marker.unlink(missing_ok=True)  # (the run ends released: its checkpoint holds the state)
             return False
@@ -356,6 +382,8 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
             log.info("window opens (%s): starting the trainer again", utc_minute(now))
             return True
         nxt = schedule.next_window(now)
-        target = min(nxt.start if nxt else max(schedule.end, now), now + cfg.scheduler.poll_s, stop_at)
+        target = min(
+            nxt.start if nxt else max(schedule.end, now), now + cfg.scheduler.poll_s, stop_at, poll_at
+        )
         clock.sleep_until(target, max_wall_s=cfg.node.idle_wall_s)
     return False
