@@ -466,8 +466,10 @@ def test_a_released_sites_presence_serves_its_metrics(
     stats.tokens, stats.local_steps = 4096, 16
     state = GlobalState(OuterOptimizer.from_config(torch.zeros(8), "sgd", 0.7, 0.9, True), "s")
     payload = {"site": {**state.position(), **stats.state_dict()}, "ledger": ledger.state_dict()}
-    site, metrics = _serve_metrics(r.cfg, payload, state)
-    assert metrics is not None and site.state is SiteState.RELEASED
+    served = _serve_metrics(r.cfg, payload, state)
+    assert served is not None
+    site, metrics = served
+    assert site.state is SiteState.RELEASED
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
@@ -491,8 +493,7 @@ def test_a_released_sites_presence_serves_its_metrics(
         held.bind(("127.0.0.1", 0))
         held.listen()
         r.cfg.node.metrics_port = held.getsockname()[1]
-        _, none = _serve_metrics(r.cfg, payload, state)
-    assert none is None
+        assert _serve_metrics(r.cfg, payload, state) is None
     assert "presence: no metrics while released" in caplog.text and "node.metrics_port" in caplog.text
 
 
@@ -516,46 +517,85 @@ def _live(tmp_path: Path, mode: str, hours_in: float, speedup: float):
     return cfg, schedule, clock, log
 
 
-def test_a_site_on_a_live_signal_plans_its_release_from_what_it_observed(tmp_path: Path) -> None:
+def test_a_site_on_a_live_signal_plans_its_release_from_what_it_observed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A live signal's next window is unknown: the rule reads the forecast of what the feed observed
-    (persistence: dirty for ever, so `auto` releases after its hold) and no restart is planned."""
+    (persistence: dirty for ever, so `auto` releases after its hold) and no restart is planned. Before
+    the feed's first sample there is no release (a restarted trainer released at once would be
+    started again at once), nor when the run ends within the hold and a restart."""
     from greenswarm.node.releasing import Releaser, why_not_releasing
     from greenswarm.scheduler.energy import EnergyLedger, PowerModel
     from greenswarm.scheduler.live import LiveSchedule
 
-    cfg, schedule, clock, log = _live(tmp_path, "auto", 2.5, 1.0)
+    caplog.set_level("INFO")
+    cfg, schedule, clock, log = _live(tmp_path, "idle", 2.5, 1.0)
     assert isinstance(schedule, LiveSchedule) and why_not_releasing(cfg, schedule, 1, True) is None
+    ledger = EnergyLedger(lambda: schedule.trace, "A", PowerModel(2.024, 0.468), start=clock.now())
+    r = Releaser(cfg, schedule, clock, ledger, log, supervised=True)
+    for _ in range(2):  # (said once)
+        r.plan(clock.now())
+        assert r.release_at == math.inf and not r.planned and not r.finishing
+    assert caplog.text.count("has given no sample yet") == 1
+
     schedule.feed.poll()
     now = clock.now()
     assert not schedule.in_window(now) and schedule.next_window(now) is None
-    ledger = EnergyLedger(lambda: schedule.trace, "A", PowerModel(2.024, 0.468), start=now)
-    r = Releaser(cfg, schedule, clock, ledger, log, supervised=True)
-    r.plan(now)
+    r.plan(now, after_window=False)  # (as `auto`)
     assert r.off is None and not r.finishing
     assert r.decision.expected_gap_s is not None and r.release_at == pytest.approx(now + r.decision.hold_s)
     assert math.isfinite(r.release_at)
+    r.stop_at = now + r.decision.hold_s + 1.0  # node.stop_at: the run ends before a restart would
+    r.plan(now, after_window=False)
+    assert r.release_at == math.inf and not r.finishing
+    assert "the trainer holds to the end" in caplog.text
     schedule.feed.stop()
 
 
+class SteppedClock:
+    """A clock that jumps to whatever time it is asked to sleep until: the agent's loop, exactly, with
+    no wall time to lose on a loaded machine."""
+
+    def __init__(self, now: float):
+        self.t = now
+        self.sleeps = 0
+
+    def now(self) -> float:
+        return self.t
+
+    def wall_seconds(self, clock_seconds: float) -> float:
+        return clock_seconds
+
+    def sleep_until(self, t: float, max_wall_s: float | None = None) -> None:
+        self.sleeps += 1
+        self.t = max(self.t, t)
+
+
 def test_a_released_agent_polls_a_live_signal_without_a_thread_and_restarts_at_its_window(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The agent, released 3.5 h into CLEAN_DIRTY (its second window opens at 4 h), polls the feed
-    itself: no thread outlives the wait (the trainer is forked next), and the window it returns at
-    is the one the samples showed."""
+    itself, every ``signal.poll_s`` of its clock: no thread outlives the wait (the trainer is forked
+    next), its polls are one short try each, and it starts the trainer at the first poll that
+    brought the window's first sample."""
     import threading
 
-    from greenswarm.node.releasing import MARKER, wait_for_window
+    from greenswarm.node import releasing
+    from greenswarm.scheduler import site_schedule
 
-    speedup = 1800.0  # (half an hour a wall second: the window opens a second in)
-    cfg, _, _, log = _live(tmp_path, "idle", 3.5, speedup)
-    marker = Path(cfg.node.run_dir) / MARKER
+    clock = SteppedClock(T0 + 3.5 * H)
+    monkeypatch.setattr(site_schedule, "make_clock", lambda cfg, start: clock)
+    cfg, _, _, log = _live(tmp_path, "idle", 3.5, 1.0)
+    seen, make_source = [], site_schedule.make_source
+    monkeypatch.setattr(site_schedule, "make_source", lambda c, *a: seen.append(c) or make_source(c, *a))
+    marker = Path(cfg.node.run_dir) / releasing.MARKER
     marker.write_text(json.dumps({"record": {}, "clock": T0 + 2 * H}))
     threads = set(threading.enumerate())
     caplog.set_level("INFO")
-    assert wait_for_window(cfg, lambda: False, log) is True
+    assert releasing.wait_for_window(cfg, lambda: False, log) is True
     assert set(threading.enumerate()) <= threads
-    restart = json.loads(marker.read_text())["restart_clock"]
-    # the window opens at 4 h; the agent saw it at the first poll that brought that sample
-    assert T0 + 4 * H <= restart < T0 + 4 * H + 2 * cfg.scheduler.signal.poll_s
+    # polls at 3.5 h and every 300 s after: the one at 4 h brought the window's first sample
+    assert json.loads(marker.read_text())["restart_clock"] == T0 + 4 * H
     assert "starting the trainer again" in caplog.text
+    (signal,) = seen
+    assert signal.retries == 0 and signal.timeout_s <= releasing.AGENT_POLL_S

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from greenswarm.averaging.outer import OuterOptimizer
-from greenswarm.errors import ConfigError
 from greenswarm.faults import FaultPlan
 from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import SiteConfig
@@ -78,27 +77,47 @@ class ReleasedSite:
     connections: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _serve_metrics(
-    cfg: SiteConfig, payload: dict[str, Any], state: GlobalState
-) -> tuple[ReleasedSite, SiteMetrics | None]:
-    """The released site's metrics endpoint (None when ``node.metrics_port`` is off, or cannot be
-    bound now: said in one line, and the presence goes on without it -- standing in the swarm matters
-    more than a scrape)."""
-    schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
-    # a live signal's feed is not polled here (the agent polls it): its window comes from the record
-    trace = schedule.trace if isinstance(schedule, WindowSchedule) else (lambda: None)
-    ledger = EnergyLedger(trace, cfg.region, make_power_model(cfg.energy, on_gpu=False), start=clock.now())
-    ledger.load_state_dict(payload["ledger"])
-    stats = SiteStats()
-    stats.load_state_dict(payload["site"])
-    site = ReleasedSite(
-        cfg, clock, schedule, ledger, stats, state, RoundLog(cfg.node.run_dir, time.monotonic()), log
-    )
+#: what serves a released site's metrics: the site the collector reads and its endpoint
+Served = tuple[ReleasedSite, SiteMetrics]
+
+
+def _serve_metrics(cfg: SiteConfig, payload: dict[str, Any], state: GlobalState) -> Served | None:
+    """The released site's metrics endpoint, or None: ``node.metrics_port`` off, or anything about
+    it failed (the port held by another process, the schedule unreadable): said in one line, and the
+    presence goes on without it -- standing in the swarm matters more than a scrape."""
+    if not cfg.node.metrics_port:
+        return None
+    schedule = None
     try:
-        return site, serve_site_metrics(site)
-    except ConfigError as err:  # the port is held (by what the trainer left, or another process)
+        schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+        # a live signal's feed is not polled here (the agent polls it): its window comes from the record
+        trace = schedule.trace if isinstance(schedule, WindowSchedule) else (lambda: None)
+        power = make_power_model(cfg.energy, on_gpu=False)
+        ledger = EnergyLedger(trace, cfg.region, power, start=clock.now())
+        ledger.load_state_dict(payload["ledger"])
+        stats = SiteStats()
+        stats.load_state_dict(payload["site"])
+        round_log = RoundLog(cfg.node.run_dir, time.monotonic())
+        site = ReleasedSite(cfg, clock, schedule, ledger, stats, state, round_log, log)
+        metrics = serve_site_metrics(site)
+    except Exception as err:  # ConfigError: the port is held (by another process), or the schedule
         log.warning("presence: no metrics while released: %s", err)
-        return site, None
+        _close_feed(schedule)
+        return None
+    assert metrics is not None  # (the port is set)
+    return site, metrics
+
+
+def _close_feed(schedule: Any) -> None:
+    if isinstance(schedule, LiveSchedule):
+        schedule.feed.stop()  # (never started: closes its source)
+
+
+def _close_metrics(served: Served | None) -> None:
+    if served is not None:
+        site, metrics = served
+        metrics.close()
+        _close_feed(site.schedule)
 
 
 def run_presence(cfg: SiteConfig) -> int:
@@ -123,7 +142,7 @@ def run_presence(cfg: SiteConfig) -> int:
     )  # fmt: skip
     state = GlobalState(outer, cfg.name)
     state.adopt(payload["site"], payload["outer"])
-    site, metrics = _serve_metrics(cfg, payload, state)
+    served = _serve_metrics(cfg, payload, state)
     del payload  # (the trainer's part, model and optimizer, is not served: only the global state)
     stop = threading.Event()
     on_termination(stop.set)
@@ -131,10 +150,10 @@ def run_presence(cfg: SiteConfig) -> int:
     try:
         swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
     except BaseException:
-        if metrics is not None:
-            metrics.close()
+        _close_metrics(served)
         raise
-    site.swarm, site.peer_id = swarm, swarm.peer_id
+    if served is not None:
+        served[0].swarm, served[0].peer_id = swarm, swarm.peer_id
     try:
         (outer_round, lineage, round_index), attested = state.attestation()
         wire.update(
@@ -154,9 +173,10 @@ def run_presence(cfg: SiteConfig) -> int:
             swarm.entry.poll()
             stop.wait(cfg.node.idle_wall_s)
     finally:
-        if metrics is not None:
-            metrics.close()  # (first: the trainer binds the same port once this process has ended)
-        if isinstance(site.schedule, LiveSchedule):
-            site.schedule.feed.stop()  # (never started: closes its source)
+        # beside the swarm's close: an HTTP server's shutdown waits out its poll (up to 0.5 s), and
+        # the agent forks the trainer only once this process has ended
+        closing = threading.Thread(target=_close_metrics, args=(served,), name="metrics-close")
+        closing.start()
         swarm.close(log)
+        closing.join()
     return 0

@@ -69,6 +69,10 @@ RANK0_READY = "gs-rank0"
 JOURNAL = "releases.jsonl"
 #: the measured restarts the rule takes the median of
 RECENT_RESTARTS = 5
+#: the longest a released site's agent waits on one request to its live signal's API (one try): a
+#: stop signal is acted on between polls, so this bounds how long a stop may wait (twice: a poll
+#: reads the history and, when asked, the forecast)
+AGENT_POLL_S = 5.0
 
 
 def why_not_releasing(
@@ -119,6 +123,7 @@ class Releaser:
         self.decision: ReleaseDecision | None = None
         self.planned = False  # this gap's release is planned (or decided against)
         self.finishing = False  # no window is left: the node finishes its run now
+        self._blind = False  # said once: a live signal with no sample yet, so no release
         self.release_at = math.inf  # clock time at which the planned release is due
         self.stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
         self.released = False  # the node is ending for a release
@@ -172,15 +177,31 @@ class Releaser:
             self.finishing = True
             self.log.info("release: no window is left before the run ends: the trainer finishes now")
             return
+        trace, region = self.schedule.trace, self.cfg.region  # (a live signal's: what it observed)
+        if trace is None:
+            # a live signal that has given no sample yet (a restarted trainer whose first poll failed
+            # or came late): no gap to judge, and a trainer released now would be started again at
+            # once by an agent that sees the window. Planned afresh at the next look.
+            self.planned = False
+            if not self._blind:
+                self.log.info("release: the live signal has given no sample yet: no release until it does")
+            self._blind = True
+            return
+        self._blind = False
         rule = self.rule()
         gap = None
         mode = self.cfg.release.mode if after_window else "auto"
         forecaster = release_forecaster(self.cfg.scheduler, mode)
-        trace, region = self.schedule.trace, self.cfg.region  # (a live signal's: what it observed)
-        if forecaster is not None and trace is not None:
+        if forecaster is not None:
             level = enter_level(self.cfg.scheduler.window_policy(), trace, region)
             gap = expected_gap_s(forecaster, trace, region, now, level)
         self.decision = rule.decide(gap, mode)
+        end = min(self.stop_at, self.schedule.end if self.cfg.node.stop_at_trace_end else math.inf)
+        if not static and end - now <= self.decision.hold_s + rule.config.restart_s:
+            # (a live signal's next window is unknown, but not the run's end: a release due so near
+            # it would end the run released, with a checkpoint for nothing and no last evaluation)
+            self.log.info("release: the run ends within the hold and a restart: the trainer holds to the end")
+            return
         self.release_at = now + self.decision.hold_s
         self.log.info("release: %s", self.decision.reason)
 
@@ -347,7 +368,11 @@ def wait_for_window(cfg: SiteConfig, stopped: Callable[[], bool], log: logging.L
     clock as the node (a replay's ``start_wall`` is pinned before the first fork)."""
     from greenswarm.scheduler.site_schedule import site_schedule
 
-    schedule, clock = site_schedule(cfg.scheduler, cfg.region, cfg.load_trace, log, poll=False)
+    scheduler = cfg.scheduler
+    if scheduler.signal is not None:  # one try per poll, a short timeout: a stop waits on no API
+        quick = replace(scheduler.signal, retries=0, timeout_s=min(scheduler.signal.timeout_s, AGENT_POLL_S))
+        scheduler = replace(scheduler, signal=quick)
+    schedule, clock = site_schedule(scheduler, cfg.region, cfg.load_trace, log, poll=False)
     # a live signal: polled here, between sleeps, never on a thread (the agent forks the trainer next,
     # and a fork must not find a thread mid-request); its windows come as its samples do
     feed = schedule.feed if isinstance(schedule, LiveSchedule) else None
