@@ -56,8 +56,12 @@ def _check(report: dict, regions: list[str], trace_spec: str) -> None:
         assert site["tokens"] > 0 and loss_fell(site), site
         assert site["energy_kwh"] > 0 and site["emissions_g"] > 0, site
     assert report["total"]["federated_rounds"] >= 2, report["total"]
-    # the swarm learned: the sites that averaged longest are well below the untrained loss
-    assert min(site["loss"] for site in report["sites"]) < LEARNED_LOSS, report["sites"]
+    # the swarm learned: the global model it ended with is well below the untrained loss on held-out
+    # text (in _check_quality). Not the sites' own `loss`, which was checked here: an EMA (weight 0.1)
+    # of their training steps' losses, starting at the untrained ~5.5, so after n steps it still
+    # carries 0.9^n of that start. In a soak beside two busy processes the three sites took 12-18 steps
+    # each and the best EMA was 4.53, while the models they held measured 4.11-4.19 held out
+    # (docs/testing.md row 60): the EMA measured how many steps the machine allowed
     # training only in windows emits less than the same training done at once from the start (equal
     # work); what the sites drew idle between windows, with their models kept, is booked beside it.
     # Per site only where the trace makes it more than a near tie: a site whose windows run from (almost)
@@ -121,8 +125,8 @@ def _check_quality(report: dict) -> None:
     # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer --
     # the model the report names as the swarm's (the newest a site ended with) above all: a lone site's
     # last outer steps must not have undone what the swarm learned (docs/quality.md saw DiLoCo's do so)
-    assert quality["eval_loss"] < 5.0, quality
-    assert min(site["eval_loss"] for site in report["sites"]) < 5.0, report["sites"]
+    assert quality["eval_loss"] < LEARNED_LOSS, quality
+    assert min(site["eval_loss"] for site in report["sites"]) < LEARNED_LOSS, report["sites"]
     assert quality["perplexity"] == pytest.approx(math.exp(quality["eval_loss"]))
 
 
