@@ -35,6 +35,7 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     "hivemind.compression.serialization:": ("_BASE_COMPRESSION_TYPES",),
     # greenswarm.averaging.averager.SwarmAverager (a subclass)
     "hivemind.averaging.averager:DecentralizedAverager": (
+        "_step",  # overridden: an error the step's future holds is read
         "_aggregate_with_group",  # overridden: the round's report and timeout
         "_run_allreduce_inplace_",  # overridden: the exact runner, wire choice, screening
         "_matchmaking",  # the group key and expected size, set per round
@@ -59,6 +60,8 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     # greenswarm.averaging.exact.ExactAllReduceRunner (a subclass)
     "hivemind.averaging.allreduce:AllReduceRunner": (
         "run",  # overridden: all or nothing
+        "finalize",  # overridden: a failed runner's error is read
+        "_future",
         "_communicate_with_peer",  # overridden: exact results, the sender closes
         "rpc_aggregate_part",  # overridden: the reducer lingers
         "_accumulate_parts_streaming",  # overridden: parts screened against claims

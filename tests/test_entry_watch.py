@@ -61,7 +61,7 @@ def _checks_while_collecting(site: Any, watch: EntryWatch, count: int) -> None:
             collecting = site.run_coroutine(_collect, return_future=True)
         # a check is bounded by CHECK_TIMEOUT_S in the DHT process; one lost to the collector never answers
         limit = watch.CHECK_TIMEOUT_S + 10
-        lost = watch._future is not None and time.monotonic() - watch._started > limit
+        lost = watch._probe is not None and time.monotonic() - watch._started > limit
         assert not lost, f"check {watch.checks + 1}: no answer in {limit:.0f} s (answered: {watch.checks})"
         assert time.monotonic() < deadline, f"only {watch.checks - target + count} of {count} checks ran"
         time.sleep(0.05)

@@ -304,6 +304,18 @@ class SwarmAverager(DecentralizedAverager):
         except Exception as e:
             future.set_exception(e)
 
+    async def _step(self, *, step: Any, future_for_init: MPFuture) -> None:
+        """Runs in the averager process: hivemind's step. hivemind hands every error that ends a step to
+        the step's own future (through which the node reads and reports it) and then raises it again
+        from this task, which nobody awaits: asyncio would print it, with a traceback, into the site's
+        log as "Task exception was never retrieved". An error the step's future holds is read here."""
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        except Exception as e:
+            if not step.done():
+                raise
+            log.debug("averaging step ended: %s (the node reads it from the step)", _describe(e))
+
     async def _aggregate_with_group(
         self, group_info: Any, min_vector_size: int, **kwargs: Any
     ) -> RoundReport:
@@ -311,16 +323,20 @@ class SwarmAverager(DecentralizedAverager):
         all-reduce timeout, answered with the round's :class:`RoundReport` (a failure raises
         :class:`RoundFailed` carrying it). Both reach the node through the step's own future."""
         report = self._reports[group_info.group_id] = RoundReport()
+        # a timeout around the call, not wait_for: wait_for would run hivemind's aggregation as a task of
+        # its own, and when hivemind's backstop cancelled this one while that task was being cancelled
+        # (both timeouts pass together in a process that was stopped or starved past them), the task's
+        # error went unread and asyncio printed its traceback into the site's log (docs/testing.md row 62)
+        bound = asyncio.timeout(self._cfg.allreduce_timeout_s)
         try:
-            gathered = await asyncio.wait_for(
-                super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
-                timeout=self._cfg.allreduce_timeout_s,
-            )
-        except TimeoutError:
-            reason = report.refusal or f"the all-reduce timed out after {self._cfg.allreduce_timeout_s:g} s"
-            raise RoundFailed(reason, report) from None
+            async with bound:
+                gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         except Exception as e:  # (a cancellation is not an Exception: it goes on as it is)
-            raise RoundFailed(report.refusal or _describe(e), report) from None
+            # hivemind turns the timeout's cancellation into a MatchmakingException: the bound says which
+            reason = f"the all-reduce timed out after {self._cfg.allreduce_timeout_s:g} s"
+            if not bound.expired():
+                reason = _describe(e)
+            raise RoundFailed(report.refusal or reason, report) from None
         finally:
             self._reports.pop(group_info.group_id, None)
         report.gathered = {str(peer): data for peer, data in gathered.items()}

@@ -34,7 +34,7 @@ class EntryWatch:
 
     def __init__(self, dht: Any, initial_peers: list[str], period_s: float = 10.0):
         self.dht, self.initial_peers, self.period_s = dht, list(initial_peers), period_s
-        self._future: Any = None
+        self._probe: Any = None
         self._started = 0.0
         self._next = time.monotonic() + period_s
         self.rejoins = 0
@@ -43,10 +43,10 @@ class EntryWatch:
 
     def poll(self) -> None:
         """Called from the node's loop: collect the last check's result, start the next one when due."""
-        if self._future is not None and self._future.done():
+        if self._probe is not None and self._probe.done():
             self.checks += 1
             try:
-                connected, answered = self._future.result()
+                connected, answered = self._probe.result()
             except Exception as e:  # the DHT process is busy or gone: try again next period
                 log.warning("entry-point check failed: %r", e)
                 connected, answered = self._was_connected, 0
@@ -56,14 +56,14 @@ class EntryWatch:
             elif not connected and self._was_connected:
                 log.warning("no initial peer is reachable; training and averaging go on with known peers")
             self._was_connected = connected or bool(answered)
-            self._future = None
-        elif self._future is not None and time.monotonic() - self._started > self.ABANDON_S:
+            self._probe = None
+        elif self._probe is not None and time.monotonic() - self._started > self.ABANDON_S:
             log.warning("entry-point check unanswered for %.0f s; starting another", self.ABANDON_S)
-            self._future = None
-        if self._future is None and self.initial_peers and time.monotonic() >= self._next:
+            self._probe = None
+        if self._probe is None and self.initial_peers and time.monotonic() >= self._next:
             self._started = time.monotonic()
             self._next = self._started + self.period_s
-            self._future = run_in_dht(
+            self._probe = run_in_dht(
                 self.dht, partial(_check_and_redial, self.initial_peers), self.CHECK_TIMEOUT_S
             )
 

@@ -165,7 +165,7 @@ class RoundHandler:
         sites in a window, asked right before averaging (``search_s``: see :meth:`begin`)."""
         if not federated:
             delta = self.state.pseudo_gradient(self.ranks.gather())
-            self._step(delta, slot, [self.peer_id], solo=True)
+            self._outer_step(delta, slot, [self.peer_id], solo=True)
             return RoundEnd("solo", slot, moved=True)
         self.begin(slot, partners, background=False, search_s=search_s)
         return self.finish()
@@ -225,13 +225,13 @@ class RoundHandler:
             # now + (new global - snapshot) = new global + the local progress since the snapshot; with
             # no steps meanwhile the new global model itself, exactly
             shift = flight.delta if flight.steps else None
-            self._step(result.averaged, result.slot, result.members, applied=True, shift=shift)
+            self._outer_step(result.averaged, result.slot, result.members, applied=True, shift=shift)
             return RoundEnd("apply", result.slot, result=result, moved=True)
         delta, tokens = flight.delta, flight.tokens
         # local progress since the snapshot: (global - snapshot) - (global - now); none when blocking
         since = delta - self.state.pseudo_gradient(self.ranks.gather()) if flight.steps else None
         if isinstance(result, Applied):
-            self._step(result.averaged, result.slot, result.members, since)
+            self._outer_step(result.averaged, result.slot, result.members, since)
             return RoundEnd("apply", result.slot, result=result, moved=True)
         if isinstance(result, Resync):
             if self.sync.resync(result, on_top=since):
@@ -305,7 +305,7 @@ class RoundHandler:
         self.stats.tokens_since_sync = max(0, self.stats.tokens_since_sync - held.tokens)
         self.stats.steps_since_sync = max(0, self.stats.steps_since_sync - held.steps)
 
-    def _step(
+    def _outer_step(
         self,
         averaged: torch.Tensor,
         slot: int,
