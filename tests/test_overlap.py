@@ -22,7 +22,12 @@ from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.ranks import SiteRanks
-from greenswarm.node.round_handling import RoundHandler, overlapped_matchmaking_s, round_search_s
+from greenswarm.node.round_handling import (
+    RoundHandler,
+    boundary_round_done,
+    overlapped_matchmaking_s,
+    round_search_s,
+)
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.trainer import InnerTrainer
 from tests.test_rounds import (
@@ -248,3 +253,13 @@ def test_a_round_that_finds_no_group_gives_up_in_time_to_catch_up_before_the_nex
         _wait_ready(handler_)
         handler_.finish()
         assert (averager.calls[0]["matchmaking_s"], averager.calls[0]["search_s"]) == (2.0, 2.6)
+
+
+def test_a_late_sites_round_that_formed_with_the_next_boundarys_group_is_that_boundarys_round() -> None:
+    """A two-rank site reached boundary 96 late and began its round there; its group formed with a site
+    that began at boundary 97 (the group's slot: 97). At boundary 97 it finishes that round and must not
+    begin another for 97 (its groupmate trains on to 98: the round would fail, and the log would hold
+    slot 97 twice, docs/testing.md row 63). A round that was 96's, or none, leaves 97's to begin."""
+    assert boundary_round_done(97, 97)
+    assert not boundary_round_done(97, 96)
+    assert not boundary_round_done(97, None)

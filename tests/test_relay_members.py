@@ -92,3 +92,10 @@ def test_only_members_reserve_and_relay_through_the_bootstrap(
     assert f"relay: refused a connection from {outsider_site.addr}" in log
     assert f"relay: refused a pass to {load_or_create_identity(outsider_key)}" in log
     assert f"relay: a pass for {member_site.addr} (site member" in log
+
+    # a clean stop takes the relay's daemon and the pass service along, and leaves nothing in the log
+    # (the pass service's client was left to the interpreter's exit, whose collection of it printed
+    # tracebacks: docs/testing.md row 65)
+    assert swarm.stop("bootstrap") == {"bootstrap": 0}, swarm.log("bootstrap")[-3000:]
+    said = swarm.log("bootstrap")
+    assert "Traceback" not in said and "Exception ignored" not in said, said[-3000:]

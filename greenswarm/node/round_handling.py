@@ -118,6 +118,18 @@ def round_search_s(matchmaking_s: float, until_boundary_s: float) -> float:
     return min(2.0 * matchmaking_s, max(matchmaking_s, until_boundary_s - matchmaking_s))
 
 
+def boundary_round_done(boundary_slot: int, finished_slot: int | None) -> bool:
+    """Whether the overlapped round a site just finished (``finished_slot``: its group's slot, None if
+    none finished) already was the group's round of the boundary it is at (``boundary_slot``).
+
+    Why: a site that reached the last boundary late (its inner step, a failed round before) begins its
+    round there, and its group can form with sites that began theirs at this boundary; the group's slot
+    is its latest member's, this one. The site then holds this boundary's step already: another round
+    for the same slot would find nobody (its groupmates train on to the next boundary), fail after its
+    whole search, and write the slot twice in the round log (docs/testing.md row 63)."""
+    return finished_slot is not None and finished_slot >= boundary_slot
+
+
 def in_background(run: Callable[[], RoundResult]) -> Future[RoundResult]:
     """Run ``run`` on a daemon thread (a stop must never wait on a stuck round beyond its timeouts)."""
     future: Future[RoundResult] = Future()

@@ -43,6 +43,7 @@ from greenswarm.node.releasing import Releaser
 from greenswarm.node.round_handling import (
     RoundEnd,
     RoundHandler,
+    boundary_round_done,
     overlapped_matchmaking_s,
     round_search_s,
 )
@@ -267,7 +268,10 @@ class SiteNode:
         finished = self._finish_round(began)
         if began is None or finished:
             began = time.monotonic()
-        self._slot = self._slot_of(self.clock.now())
+        slot = self._slot_of(self.clock.now())
+        if state is FEDERATED and boundary_round_done(slot, self._slot if finished else None):
+            return  # (the round that just finished was this boundary's: the next begins at the next)
+        self._slot = slot
         if self.round_handler.catch_up_due(state is FEDERATED):
             if finished:  # the view was polled before that round ended: what its group did since is news
                 self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
