@@ -61,17 +61,22 @@ def _averager(allreduce_timeout_s: float) -> SwarmAverager:
     return avg
 
 
+@pytest.mark.parametrize("unwinding_s", [0.0, 0.01], ids=["unwinds-at-once", "unwinds-over-loop-steps"])
 def test_an_averager_stopped_past_both_timeouts_fails_its_round_and_leaves_no_unread_error(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, unwinding_s: float
 ) -> None:
     """The averager process stops (SIGSTOP, or starved on a busy machine) mid all-reduce until both
     greenswarm's all-reduce timeout and hivemind's backstop around it have passed: the round fails,
-    saying it timed out, and nothing is left for asyncio to print."""
+    saying it timed out, and nothing is left for asyncio to print. hivemind's runner may take loop
+    steps to unwind (its pending parts, its streams), so the backstop cancels it a second time there:
+    the report is lost then (the step fails with a bare timeout), and still nothing is left unread."""
 
     async def like_hivemind(self: Any, group_info: Any, min_vector_size: int, **kwargs: Any) -> None:
         try:  # an all-reduce whose groupmate never answers; hivemind turns any end of it into this
             await asyncio.sleep(60)
         except BaseException as e:
+            if unwinding_s:
+                await asyncio.sleep(unwinding_s)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from None
 
     monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", like_hivemind)
@@ -82,8 +87,35 @@ def test_an_averager_stopped_past_both_timeouts_fails_its_round_and_leaves_no_un
         return await asyncio.wait_for(avg._aggregate_with_group(SimpleNamespace(group_id=b"g"), 0), 0.1)
 
     outcome, said = _unread(hivemind_step)
+    if unwinding_s:
+        assert isinstance(outcome, TimeoutError), repr(outcome)  # (what hivemind's step then holds)
+    else:
+        assert isinstance(outcome, RoundFailed), repr(outcome)
+        assert outcome.reason == "the all-reduce timed out after 0.05 s"
+    assert said == []
+
+
+def test_an_all_reduce_that_failed_first_says_why_though_the_timeout_passed_while_it_unwound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A groupmate's error ends the all-reduce, and the timeout passes while hivemind's runner is still
+    unwinding (its cleanup keeps the cancellation from it): the round names the error, not a timeout."""
+
+    async def like_hivemind(self: Any, group_info: Any, min_vector_size: int, **kwargs: Any) -> None:
+        try:
+            raise RuntimeError("a groupmate left")
+        except BaseException as e:
+            try:  # the cleanup takes longer than the bound, and swallows its cancellation
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                pass
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from None
+
+    monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", like_hivemind)
+    avg = _averager(allreduce_timeout_s=0.05)
+    outcome, said = _unread(lambda: avg._aggregate_with_group(SimpleNamespace(group_id=b"g"), 0))
     assert isinstance(outcome, RoundFailed), repr(outcome)
-    assert outcome.reason == "the all-reduce timed out after 0.05 s"
+    assert outcome.reason == "MatchmakingException: Unable to run All-Reduce: a groupmate left"
     assert said == []
 
 
@@ -96,6 +128,9 @@ def test_a_step_whose_error_the_step_holds_leaves_no_unread_error(monkeypatch: p
 
         def done(self) -> bool:
             return self.error is not None
+
+        def cancelled(self) -> bool:
+            return False
 
     async def like_hivemind(self: Any, *, step: Step, future_for_init: Any) -> None:
         error = TimeoutError()

@@ -255,11 +255,46 @@ def test_a_round_that_finds_no_group_gives_up_in_time_to_catch_up_before_the_nex
         assert (averager.calls[0]["matchmaking_s"], averager.calls[0]["search_s"]) == (2.0, 2.6)
 
 
+class _BoundarySite:
+    """What ``SiteNode._end_round`` reads of a site, at boundary 97 of an overlapped swarm whose round in
+    flight finishes with its group's slot ``finished_slot`` (the site began it at boundary 96)."""
+
+    def __init__(self, finished_slot: int):
+        from types import SimpleNamespace
+
+        from greenswarm.node.site import SiteNode
+
+        self.site = site = object.__new__(SiteNode)
+        self.begun: list[int] = []
+        site.cfg = SimpleNamespace(averaging=SimpleNamespace(sync_interval_s=600.0, overlap=True))
+        site.clock = SimpleNamespace(now=lambda: 97 * 600.0 + 1.0)
+        site._slot = 96
+
+        def finish(stopped: float | None = None) -> bool:  # as _after_round leaves it
+            site._slot = max(site._slot, finished_slot)
+            return True
+
+        site._finish_round = finish
+        site._matchmaking_s = lambda: 1.0
+        site._search_s = lambda seconds: 2.0
+        site.round_handler = SimpleNamespace(
+            catch_up_due=lambda federated: False,
+            begin=lambda slot, partners, matchmaking_s, search_s: self.begun.append(slot),
+        )
+
+
 def test_a_late_sites_round_that_formed_with_the_next_boundarys_group_is_that_boundarys_round() -> None:
     """A two-rank site reached boundary 96 late and began its round there; its group formed with a site
     that began at boundary 97 (the group's slot: 97). At boundary 97 it finishes that round and must not
     begin another for 97 (its groupmate trains on to 98: the round would fail, and the log would hold
-    slot 97 twice, docs/testing.md row 63). A round that was 96's, or none, leaves 97's to begin."""
-    assert boundary_round_done(97, 97)
-    assert not boundary_round_done(97, 96)
+    slot 97 twice, docs/testing.md row 63). A round that was 96's leaves 97's to begin."""
+    from greenswarm.scheduler.state import SiteState
+
+    late = _BoundarySite(finished_slot=97)
+    late.site._end_round(SiteState.FEDERATED)
+    assert late.begun == [] and late.site._slot == 97
+    on_time = _BoundarySite(finished_slot=96)
+    on_time.site._end_round(SiteState.FEDERATED)
+    assert on_time.begun == [97] and on_time.site._slot == 97
+    assert boundary_round_done(97, 97) and not boundary_round_done(97, 96)
     assert not boundary_round_done(97, None)

@@ -109,7 +109,8 @@ class SwarmAverager(DecentralizedAverager):
             min_group_size=2,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=cfg.request_timeout_s,
-            # a backstop: greenswarm's own timeout (_aggregate_with_group) ends a round first, with a report
+            # a backstop: greenswarm's own timeout (_aggregate_with_group) ends a round first, with a report.
+            # (Both cancel the same task; the node's own bound on the step, _round_bound_s, is the last)
             allreduce_timeout=cfg.allreduce_timeout_s + ALLREDUCE_BACKSTOP_S,
             next_chunk_timeout=cfg.chunk_timeout_s,
             compression=wire_format("int8" if cfg.wire == "auto" else cfg.wire).compression,  # per round
@@ -314,7 +315,10 @@ class SwarmAverager(DecentralizedAverager):
         except Exception as e:
             if not step.done():
                 raise
-            log.debug("averaging step ended: %s (the node reads it from the step)", _describe(e))
+            if step.cancelled():  # the node stopped waiting (and said so): what ended the step, in a line
+                log.warning("an averaging step the node had given up on ended: %s", _describe(e))
+            else:
+                log.debug("averaging step ended: %s (the node reads it from the step)", _describe(e))
 
     async def _aggregate_with_group(
         self, group_info: Any, min_vector_size: int, **kwargs: Any
@@ -331,11 +335,13 @@ class SwarmAverager(DecentralizedAverager):
         try:
             async with bound:
                 gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        except Exception as e:  # (a cancellation is not an Exception: it goes on as it is)
-            # hivemind turns the timeout's cancellation into a MatchmakingException: the bound says which
-            reason = f"the all-reduce timed out after {self._cfg.allreduce_timeout_s:g} s"
-            if not bound.expired():
-                reason = _describe(e)
+        except Exception as e:  # (hivemind turns any cancellation of its aggregation into an Exception)
+            # a timeout when the bound cancelled the aggregation and that cancellation ended it (hivemind
+            # raises its MatchmakingException while handling it): not an error that came first
+            cancelled = isinstance(e, TimeoutError) or isinstance(e.__context__, asyncio.CancelledError)
+            reason = _describe(e)
+            if bound.expired() and cancelled:
+                reason = f"the all-reduce timed out after {self._cfg.allreduce_timeout_s:g} s"
             raise RoundFailed(report.refusal or reason, report) from None
         finally:
             self._reports.pop(group_info.group_id, None)

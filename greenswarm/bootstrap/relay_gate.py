@@ -370,10 +370,12 @@ class GatedRelay:
             # the pass service's replica too, here on its loop: left to the interpreter's exit, its
             # client's tasks were collected after the loop had stopped, and each printed a traceback
             # into the bootstrap's log
-            if self._replica is not None:
-                await self._replica.shutdown()
-            if self._daemon is not None:
-                await self._daemon.shutdown()
+            try:
+                if self._replica is not None:
+                    await self._replica.shutdown()
+            finally:
+                if self._daemon is not None:
+                    await self._daemon.shutdown()
 
         with contextlib.suppress(Exception):
             self.gate.run(stop(), timeout=15)
