@@ -269,8 +269,11 @@ class SiteNode:
         if began is None or finished:
             began = time.monotonic()
         slot = self._slot_of(self.clock.now())
-        if state is FEDERATED and boundary_round_done(slot, self._slot if finished else None):
-            return  # (the round that just finished was this boundary's: the next begins at the next)
+        if boundary_round_done(slot, self._slot if finished else None):
+            # the round that just finished was this boundary's: the next begins at the next (a SOLO
+            # step here would take this slot a second time). (Only at a boundary does a round finish
+            # here: the window's close and the stop finish theirs before they bank a SOLO step)
+            return
         self._slot = slot
         if self.round_handler.catch_up_due(state is FEDERATED):
             if finished:  # the view was polled before that round ended: what its group did since is news
