@@ -47,6 +47,7 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "serializer",
         "get_stub",
         "rpc_join_group",  # overridden: admission
+        "rpc_aggregate_part",  # overridden: a group this site is not in is answered at once
         "rpc_download_state",  # overridden: admission
         "get_current_state",  # overridden: the site's global state
     ),
@@ -66,6 +67,9 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "rpc_aggregate_part",  # overridden: the reducer lingers
         "_accumulate_parts_streaming",  # overridden: parts screened against claims
         "_ban_sender",
+        "active_senders",
+        "banned_senders",
+        "all_senders_started",
         "_generate_input_for_peer",
         "_get_peer_stub",
         "should_delay_results",
@@ -220,6 +224,11 @@ def averager_p2p(averager: Any) -> Any:
 def expose_runner(averager: Any, group_id: bytes, runner: Any) -> None:
     """(averager process) Let groupmates' part requests for round ``group_id`` reach ``runner``."""
     averager._running_groups[group_id].set_result(runner)
+
+
+def has_group(averager: Any, group_id: bytes) -> bool:
+    """(averager process) Whether this site has registered round ``group_id`` (it is in that group)."""
+    return group_id in averager._running_groups
 
 
 def mark_averaged(averager: Any) -> None:

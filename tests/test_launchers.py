@@ -108,7 +108,13 @@ def test_the_slurm_launcher_gives_the_gpus_back_between_windows(swarm: Swarm, tm
         (restart,) = events("restart")
         assert restart["state_digest"] == restart["state_digest_after"]
         os.kill(swarm.procs["site"].pid, signal.SIGTERM)  # the agent cancels the job with the signal
-        assert swarm.wait("site", timeout=90) == 0, swarm.log("site")[-3000:] + job_output()[-3000:]
+        try:  # (the job's own output and the Slurm daemon's log say where a slow end was spent)
+            code = swarm.wait("site", timeout=90)
+        except AssertionError as e:
+            slurmd = (tmp_path / "slurm" / "log" / "slurmd.log").read_text(errors="replace")
+            job = job_output()[-3000:]
+            raise AssertionError(f"{e}\njob output:\n{job}\nslurmd:\n{slurmd[-1500:]}") from None
+        assert code == 0, swarm.log("site")[-3000:] + job_output()[-3000:]
         assert len(list(run_dir.glob("slurm-*.out"))) == 2 and jobs() == []
 
 

@@ -43,6 +43,7 @@ from hivemind.compression import NoCompression
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import achain, as_aiter
 
 from greenswarm import hivemind_internals as seam
 from greenswarm.averaging.aggregation import bounded_weights, claimed_weight
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 
 #: seconds hivemind's own all-reduce timeout waits beyond greenswarm's (which ends a round with its report)
 ALLREDUCE_BACKSTOP_S = 5.0
+
+#: how often a groupmate's part request for a group this site does not know looks again (see
+#: :meth:`SwarmAverager.rpc_aggregate_part`)
+JOIN_POLL_S = 0.05
 
 #: what a site serves to newcomers: (metadata, tensors)
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -98,6 +103,7 @@ class SwarmAverager(DecentralizedAverager):
         # read here after it (a model-sized vector: shared memory, like the averaged buffer itself)
         self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
         self._reports: dict[bytes, RoundReport] = {}  # (averager process) group id -> its round's report
+        self._steps = 0  # (averager process) averaging steps under way
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
         super().__init__(
@@ -310,6 +316,7 @@ class SwarmAverager(DecentralizedAverager):
         the step's own future (through which the node reads and reports it) and then raises it again
         from this task, which nobody awaits: asyncio would print it, with a traceback, into the site's
         log as "Task exception was never retrieved". An error the step's future holds is read here."""
+        self._steps += 1
         try:
             await super()._step(step=step, future_for_init=future_for_init)
         except Exception as e:
@@ -319,6 +326,8 @@ class SwarmAverager(DecentralizedAverager):
                 log.warning("an averaging step the node had given up on ended: %s", _describe(e))
             else:
                 log.debug("averaging step ended: %s (the node reads it from the step)", _describe(e))
+        finally:
+            self._steps -= 1
 
     async def _aggregate_with_group(
         self, group_info: Any, min_vector_size: int, **kwargs: Any
@@ -477,6 +486,43 @@ class SwarmAverager(DecentralizedAverager):
         if peer == str(self.peer_id):  # the round's failure, in words (not the runner's exception)
             report.refusal = f"this site's update was refused: {why}"
         report.refused[peer] = why
+
+    # ---- a groupmate's parts (averager process) ----
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # hivemind reads typing's alias
+        """hivemind's handler for a groupmate's parts, except that a group this site is not in is
+        answered (``BAD_GROUP_ID``) as soon as the site can tell, not whenever it next forms a group.
+
+        Why: a leader can count a site in a group that the site never joined. On a busy machine the
+        site's join request timed out (``request_timeout_s``) as the leader accepted it, and the site
+        looked on elsewhere until its step ended with no group. hivemind's handler waits for the next
+        group the site registers, so the leader waited out its chunk timeout for this site's parts,
+        and its next rounds found nobody meanwhile: three failed rounds in a row for both sites of a
+        3-s slot (docs/testing.md row 51). Now the answer comes once this site's step is over without
+        that group (at once when no step is under way), and the leader's round fails then, saying so
+        (:class:`~greenswarm.averaging.exact.ExactAllReduceRunner`)."""
+        request = await anext(stream)
+        if not await self._joined(request.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            # held open until the sender closes it (which ends this handler): closing first can lose
+            # the answer on the wire (see greenswarm.averaging.exact), and the sender would wait again
+            await asyncio.sleep(self._cfg.chunk_timeout_s)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _joined(self, group_id: bytes) -> bool:
+        """Whether this site is in group ``group_id``. A groupmate's parts can come before this site has
+        registered the group (its leader's word is still on the way), so while a step of this site is
+        under way it is asked again, up to the chunk timeout (the sender gives up on it then)."""
+        deadline = time.monotonic() + self._cfg.chunk_timeout_s
+        while not seam.has_group(self, group_id):
+            if not self._steps or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(JOIN_POLL_S)
+        return True
 
     # ---- admission (averager process) ----
 

@@ -103,6 +103,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._void: tuple[PeerID, PeerID] | None = None
         # (lost sender, reducer that lost it) once any reducer lost a sender midway: void everywhere too
         self._lost: tuple[PeerID, PeerID] | None = None
+        # a member that answered it is not in this group (it never joined: see SwarmAverager's
+        # rpc_aggregate_part): none of its parts will come, and the round is void
+        self._absent: PeerID | None = None
         self._encoded: dict[int, asyncio.Future] = {}  # part index -> its average, encoded once for all
         # outputs are averages, so a failed reducer's slice would be filled with local values (not
         # zero differences); run() turns any such slice into a failure of the whole round
@@ -136,6 +139,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             who = "this site" if reducer == self.peer_id else str(reducer)
             raise AllreduceException(
                 f"{who} refused a part of {sender}'s update: the round is void for every member"
+            )
+        if self._absent is not None:
+            raise AllreduceException(
+                f"{self._absent} was counted in this group but never joined it (it had stopped looking for "
+                "this group): the round is void for every member"
             )
         if self._lost is not None:
             sender, reducer = self._lost
@@ -213,6 +221,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if message.code == averaging_pb2.INTERNAL_ERROR and message.peer_id:  # a sender lost there
                     self._lost = self._lost or (PeerID(message.peer_id), peer_id)
                     raise AllreduceException(f"{peer_id} lost {PeerID(message.peer_id)}'s update midway")
+                if message.code == averaging_pb2.BAD_GROUP_ID:  # not in this group: its parts never come
+                    self._absent = self._absent or peer_id
+                    if peer_id in self.sender_peer_ids:  # (this site's reducer must not wait for them)
+                        await self._ban_sender(peer_id)
+                    raise AllreduceException(f"{peer_id} is not in this group")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     code = averaging_pb2.MessageCode.Name(message.code)
                     raise AllreduceException(f"{peer_id} sent {code}")
@@ -307,6 +320,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         if received < self.tensor_part_reducer.num_parts and self._void is None and self._lost is None:
             self._lost = (peer_id, self.peer_id)
         await super()._ban_sender(peer_id)
+        # hivemind's watch for senders that never start waits for all of them to start, however many
+        # are banned, and the runner's end waits for that watch: a sender banned before it began (a
+        # member that never joined the group) held every round that counted it for the whole timeout
+        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+            self.all_senders_started.set()
 
 
 async def _no_parts() -> AsyncIterator[averaging_pb2.AveragingData]:

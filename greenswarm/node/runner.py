@@ -19,7 +19,7 @@ from greenswarm.errors import ConfigError, GreenswarmError
 from greenswarm.network import check_peers
 from greenswarm.node.config import SiteConfig, load_site_config
 from greenswarm.node.releasing import LAUNCHED_ENV, RANK0_READY
-from greenswarm.procs import exit_with_parent, on_termination, reap_children, set_process_name
+from greenswarm.procs import exit_at_once, exit_with_parent, on_termination, reap_children, set_process_name
 
 log = logging.getLogger("greenswarm.node")
 
@@ -40,7 +40,11 @@ def run_node(config: str, initial_peers: list[str] | None, overrides: list[str],
     if cfg.node.launcher in ("command", "slurm") or (cfg.node.ranks > 1 and ranks is None):
         return _run_launched(cfg, config, initial_peers, overrides)
     if cfg.node.restart == "never":
-        return _run_site(cfg, config, supervised=bool(os.environ.get(LAUNCHED_ENV)))
+        launched = bool(os.environ.get(LAUNCHED_ENV))
+        code = _run_site(cfg, config, supervised=launched)
+        if launched:  # a trainer its agent started as a command: the agent waits on this exit
+            exit_at_once(code)
+        return code
 
     from greenswarm.node.releasing import wait_for_window
     from greenswarm.node.supervisor import supervise
