@@ -42,6 +42,7 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "_outer_pipe",  # calls into the averager process
         "_p2p",
         "_running_groups",  # where groupmates' part requests find this round's runner
+        "_pending_groups_registered",  # set once a search registered its group
         "_state_updated",
         "last_updated",
         "serializer",
@@ -229,6 +230,12 @@ def expose_runner(averager: Any, group_id: bytes, runner: Any) -> None:
 def has_group(averager: Any, group_id: bytes) -> bool:
     """(averager process) Whether this site has registered round ``group_id`` (it is in that group)."""
     return group_id in averager._running_groups
+
+
+def registered_another_group(averager: Any) -> bool:
+    """(averager process) Whether this site registered a group (or ended one) since its current search
+    began: hivemind clears this flag when a search begins and sets it at each registration."""
+    return averager._pending_groups_registered.is_set()
 
 
 def mark_averaged(averager: Any) -> None:

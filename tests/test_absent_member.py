@@ -40,6 +40,7 @@ def _member(steps: int, groups: dict | None = None) -> SwarmAverager:
     avg._cfg = AveragingConfig(chunk_timeout_s=SENDER_TIMEOUT_S)
     avg._steps = steps
     avg._running_groups = {} if groups is None else groups
+    avg._pending_groups_registered = asyncio.Event()  # (cleared: its search has registered nothing)
     return avg
 
 
@@ -109,3 +110,14 @@ def test_a_member_whose_group_registers_meanwhile_takes_the_parts() -> None:
         return await avg._joined(b"g")
 
     assert asyncio.run(main())
+
+
+def test_a_member_that_registered_another_group_answers_at_once() -> None:
+    """A member whose search ended in another group is not in this one, however long its step runs."""
+
+    async def main() -> bool:
+        avg = _member(steps=1, groups={b"its own": object()})
+        avg._pending_groups_registered.set()
+        return await asyncio.wait_for(avg._joined(b"g"), SENDER_TIMEOUT_S / 2)
+
+    assert not asyncio.run(main())

@@ -516,10 +516,11 @@ class SwarmAverager(DecentralizedAverager):
     async def _joined(self, group_id: bytes) -> bool:
         """Whether this site is in group ``group_id``. A groupmate's parts can come before this site has
         registered the group (its leader's word is still on the way), so while a step of this site is
-        under way it is asked again, up to the chunk timeout (the sender gives up on it then)."""
+        still searching it is asked again, up to the chunk timeout (the sender gives up on it then).
+        Not once the step registered another group: hivemind answers that at once too."""
         deadline = time.monotonic() + self._cfg.chunk_timeout_s
         while not seam.has_group(self, group_id):
-            if not self._steps or time.monotonic() > deadline:
+            if not self._steps or seam.registered_another_group(self) or time.monotonic() > deadline:
                 return False
             await asyncio.sleep(JOIN_POLL_S)
         return True
