@@ -91,8 +91,8 @@ def reap_children(timeout: float = 3.0, pid: int | None = None) -> int:
 
 def exit_at_once(code: int) -> NoReturn:
     """End this process now with ``code``, as a forked node ends
-    (:func:`greenswarm.node.supervisor.fork_child`): reap its children, flush its output, and skip the
-    interpreter's teardown.
+    (:func:`greenswarm.node.supervisor.fork_child`), with no interpreter teardown: its children reaped
+    and its output flushed first.
 
     For a trainer that an agent started as a command (a Slurm job, the operator's command, a torchrun
     rank), once everything it wrote is closed. Why: the teardown runs torch's library finalizers and

@@ -58,7 +58,7 @@ def _averager(allreduce_timeout_s: float) -> SwarmAverager:
     avg = object.__new__(SwarmAverager)
     avg._parent_pid = -1
     avg._cfg, avg._reports = AveragingConfig(allreduce_timeout_s=allreduce_timeout_s), {}
-    avg._steps = 0
+    avg._steps = avg._steps_ended = 0
     return avg
 
 

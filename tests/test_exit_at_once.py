@@ -16,7 +16,7 @@ import sys
 
 from greenswarm.procs import exit_at_once
 
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
 atexit.register(lambda: print("teardown ran", flush=True))  # the interpreter's teardown: skipped
 print("child", child.pid)
 print("summary")  # buffered (stdout is a pipe): flushed before the exit

@@ -27,6 +27,7 @@ What it adds to hivemind, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -104,6 +105,7 @@ class SwarmAverager(DecentralizedAverager):
         self._residual = torch.zeros(numel, dtype=torch.float32).share_memory_()
         self._reports: dict[bytes, RoundReport] = {}  # (averager process) group id -> its round's report
         self._steps = 0  # (averager process) averaging steps under way
+        self._steps_ended = 0  # (averager process) and how many have ended
         self.measured_mbit: float | None = None  # this site's link rate seen in its last all-reduce
         previous_sigint = signal.getsignal(signal.SIGINT)
         super().__init__(
@@ -328,6 +330,7 @@ class SwarmAverager(DecentralizedAverager):
                 log.debug("averaging step ended: %s (the node reads it from the step)", _describe(e))
         finally:
             self._steps -= 1
+            self._steps_ended += 1
 
     async def _aggregate_with_group(
         self, group_info: Any, min_vector_size: int, **kwargs: Any
@@ -506,9 +509,14 @@ class SwarmAverager(DecentralizedAverager):
         request = await anext(stream)
         if not await self._joined(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            # held open until the sender closes it (which ends this handler): closing first can lose
-            # the answer on the wire (see greenswarm.averaging.exact), and the sender would wait again
-            await asyncio.sleep(self._cfg.chunk_timeout_s)
+            # held open until the sender closes it: closing first can lose the answer on the wire (see
+            # greenswarm.averaging.exact), and the sender would wait again. Its parts are read and
+            # dropped meanwhile: hivemind's server notices a close only while it is not blocked handing
+            # on a part, and it holds 5 at most
+            with contextlib.suppress(Exception):  # (the limit passed, or the stream broke)
+                async with asyncio.timeout(self._cfg.chunk_timeout_s):
+                    async for _ in stream:
+                        pass
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
@@ -516,11 +524,15 @@ class SwarmAverager(DecentralizedAverager):
     async def _joined(self, group_id: bytes) -> bool:
         """Whether this site is in group ``group_id``. A groupmate's parts can come before this site has
         registered the group (its leader's word is still on the way), so while a step of this site is
-        still searching it is asked again, up to the chunk timeout (the sender gives up on it then).
-        Not once the step registered another group: hivemind answers that at once too."""
+        still searching it is asked again, up to the chunk timeout (the sender's reducer stops waiting
+        for this site's own parts then). Not once a step ended (the next one cannot be in a group that
+        formed before it), nor once the step registered another group: hivemind answers that at once."""
         deadline = time.monotonic() + self._cfg.chunk_timeout_s
+        ended = self._steps_ended
         while not seam.has_group(self, group_id):
-            if not self._steps or seam.registered_another_group(self) or time.monotonic() > deadline:
+            if not self._steps or self._steps_ended != ended or seam.registered_another_group(self):
+                return False
+            if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(JOIN_POLL_S)
         return True

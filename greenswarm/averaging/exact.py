@@ -142,8 +142,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
         if self._absent is not None:
             raise AllreduceException(
-                f"{self._absent} was counted in this group but never joined it (it had stopped looking for "
-                "this group): the round is void for every member"
+                f"{self._absent} answered that it is not in this group (it never joined it, or its step had "
+                "ended): the round is void for every member"
             )
         if self._lost is not None:
             sender, reducer = self._lost
