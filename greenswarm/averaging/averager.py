@@ -499,8 +499,8 @@ class SwarmAverager(DecentralizedAverager):
         answered (``BAD_GROUP_ID``) as soon as the site can tell, not whenever it next forms a group.
 
         Why: a leader can count a site in a group that the site never joined. On a busy machine the
-        site's join request timed out (``request_timeout_s``) as the leader accepted it, and the site
-        looked on elsewhere until its step ended with no group. hivemind's handler waits for the next
+        site's join request can time out (``request_timeout_s``) as the leader accepts it, and the site
+        looks on elsewhere until its step ends with no group. hivemind's handler waits for the next
         group the site registers, so the leader waited out its chunk timeout for this site's parts,
         and its next rounds found nobody meanwhile: three failed rounds in a row for both sites of a
         3-s slot (docs/testing.md row 51). Now the answer comes once this site's step is over without
@@ -530,9 +530,8 @@ class SwarmAverager(DecentralizedAverager):
         deadline = time.monotonic() + self._cfg.chunk_timeout_s
         ended = self._steps_ended
         while not seam.has_group(self, group_id):
-            if not self._steps or self._steps_ended != ended or seam.registered_another_group(self):
-                return False
-            if time.monotonic() > deadline:
+            over = not self._steps or self._steps_ended != ended or seam.registered_another_group(self)
+            if over or time.monotonic() > deadline:
                 return False
             await asyncio.sleep(JOIN_POLL_S)
         return True
