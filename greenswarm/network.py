@@ -392,6 +392,14 @@ def _daemon_alive(dht_pid: int, grace_s: float) -> bool:
         time.sleep(0.02)
 
 
+def daemon_gone(dht_pid: int | None) -> bool:
+    """Whether the p2p daemon under the DHT process ``dht_pid`` is gone, or goes within
+    :data:`DAEMON_EXIT_GRACE_S` of a stop signal (a Ctrl-C or a SIGTERM to the process group reaches
+    it too). Nothing sent through it can arrive then: a wait for a DHT write would only run out its
+    timeout. ``None`` (a DHT of no process of its own): not gone."""
+    return dht_pid is not None and not _daemon_alive(dht_pid, DAEMON_EXIT_GRACE_S if stopping() else 0.0)
+
+
 def kill_if_daemon_gone(helper: Any, dht_pid: int) -> bool:
     """Kill a hivemind helper process (a DHT or an averager) when the p2p daemon under the DHT
     process ``dht_pid`` is gone, or goes within :data:`DAEMON_EXIT_GRACE_S`, as after a Ctrl-C or a
@@ -402,8 +410,7 @@ def kill_if_daemon_gone(helper: Any, dht_pid: int) -> bool:
     The grace matters: the stop reaches the daemon and its owner at once, and an owner that looked
     at once saw a daemon still exiting, took the clean path and waited 6-7 s on it (a bootstrap
     stopped by SIGTERM to its group, right after it started)."""
-    grace_s = DAEMON_EXIT_GRACE_S if stopping() else 0.0  # (no stop signal: nothing made the daemon go)
-    if not helper.is_alive() or _daemon_alive(dht_pid, grace_s):
+    if not helper.is_alive() or not daemon_gone(dht_pid):  # (no stop signal: no grace to wait)
         return False
     helper.kill()  # it ignores SIGTERM: its owner stops it (procs.on_termination)
     helper.join(2.0)

@@ -5,9 +5,14 @@ In-process, with a fake DHT that records writes: no p2pd, no network.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
+
+import psutil
 
 from greenswarm.node.progress import ProgressPublisher, ProgressRecord, record_validators
 from tests.conftest import wait_until
@@ -108,3 +113,39 @@ def test_a_poll_at_a_rounds_boundary_gives_up_and_keeps_the_last_view() -> None:
         assert view._records == [_record(1)]
     finally:
         view.close()
+
+
+class PendingDHT(FakeDHT):
+    """A DHT process (``pid``) whose writes never complete: its p2p daemon does not answer."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__()
+        self.pid = pid
+
+    def store(self, key, subkey, value, expiration_time, return_future=False):  # noqa: ANN001
+        super().store(key, subkey, value, expiration_time)
+        return Future()
+
+
+def test_the_last_record_is_not_waited_for_once_the_p2p_daemon_is_gone(tmp_path: Path) -> None:
+    """A stop to the whole process group (Ctrl-C) ends the p2p daemon too: the site's last record can
+    no longer arrive, and its wait held every such stop for the write's whole timeout (5 s)."""
+    daemon = tmp_path / "p2pd"  # a process the DHT's owner counts as its p2p daemon, by name
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", daemon)
+    dht_process = subprocess.Popen(["sh", "-c", f"{daemon} 60 & wait"])
+    try:
+        wait_until(lambda: psutil.Process(dht_process.pid).children(), timeout=10, what="the daemon")
+        publisher = _publisher(PendingDHT(dht_process.pid), keepalive_s=0.0)
+        began = time.monotonic()
+        publisher.publish_final(_record(3), lives_s=1.0, timeout=1.0)  # the daemon lives: waited for
+        assert time.monotonic() - began >= 1.0
+        for child in psutil.Process(dht_process.pid).children():
+            child.kill()
+            child.wait()
+        began = time.monotonic()
+        publisher.publish_final(_record(4), lives_s=1.0, timeout=30.0)
+        assert time.monotonic() - began < 5.0  # gone: not waited for
+        assert [w["value"]["local_steps"] for w in publisher.dht.writes] == [3, 4]  # both were sent
+    finally:
+        dht_process.kill()
+        dht_process.wait()

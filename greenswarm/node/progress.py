@@ -228,8 +228,12 @@ class ProgressPublisher:
         self.flush(timeout)
 
     def flush(self, timeout: float = 5.0) -> None:
-        """Wait for the last write (used before exit, so the final state reaches the swarm)."""
-        if self._pending is not None:
+        """Wait for the last write (used before exit, so the final state reaches the swarm) -- unless
+        the p2p daemon is gone (a Ctrl-C, or a SIGTERM to the process group, reaches it too): the write
+        cannot arrive then, and waiting for it held every such stop ``timeout`` seconds longer."""
+        from greenswarm.network import daemon_gone
+
+        if self._pending is not None and not daemon_gone(getattr(self.dht, "pid", None)):
             try:
                 self._pending.result(timeout=timeout)
             except Exception:  # best effort at shutdown; the record expires anyway

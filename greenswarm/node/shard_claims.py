@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from greenswarm.network import daemon_gone
 from greenswarm.node.data import DataConfig
 from greenswarm.node.evaluation import EvalConfig, shards_overlap
 from greenswarm.node.shard_reader import START, Position
@@ -646,7 +647,7 @@ class ShardClaims:
                     expiration_time=self._expires,
                     return_future=True,
                 )
-                if not wait:
+                if not wait or daemon_gone(getattr(self.dht, "pid", None)):  # (see daemon_gone)
                     return False
                 stored = bool(future.result(timeout=self.dht_timeout_s))
                 why = "the DHT did not store it"
