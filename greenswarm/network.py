@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from greenswarm.configuration import check_number
 from greenswarm.errors import ConfigError, SwarmError
 from greenswarm.hivemind_internals import add_p2pd_mode, p2pd_mode
-from greenswarm.procs import exit_with_parent, reap_children, start_shared_memory_manager, stopping
+from greenswarm.procs import exit_with_parent, reap_children, start_shared_memory_manager, stopped_for
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -376,6 +376,16 @@ def start_dht(
 DAEMON_EXIT_GRACE_S = 0.25
 
 
+def _running_daemon(proc: Any) -> bool:
+    """Whether ``proc`` is a p2p daemon that has not exited (one that ended meanwhile has not)."""
+    import psutil
+
+    try:
+        return proc.name() == "p2pd" and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _daemon_alive(dht_pid: int, grace_s: float) -> bool:
     """Whether a p2p daemon under the DHT process ``dht_pid`` is still running after ``grace_s``."""
     import psutil
@@ -383,10 +393,10 @@ def _daemon_alive(dht_pid: int, grace_s: float) -> bool:
     deadline = time.monotonic() + grace_s
     while True:
         try:
-            daemons = [p for p in psutil.Process(dht_pid).children(recursive=True) if p.name() == "p2pd"]
-            alive = any(p.status() != psutil.STATUS_ZOMBIE for p in daemons)
+            children = psutil.Process(dht_pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            alive = False
+            children = []
+        alive = any(_running_daemon(p) for p in children)
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.02)
@@ -396,8 +406,11 @@ def daemon_gone(dht_pid: int | None) -> bool:
     """Whether the p2p daemon under the DHT process ``dht_pid`` is gone, or goes within
     :data:`DAEMON_EXIT_GRACE_S` of a stop signal (a Ctrl-C or a SIGTERM to the process group reaches
     it too). Nothing sent through it can arrive then: a wait for a DHT write would only run out its
-    timeout. ``None`` (a DHT of no process of its own): not gone."""
-    return dht_pid is not None and not _daemon_alive(dht_pid, DAEMON_EXIT_GRACE_S if stopping() else 0.0)
+    timeout. ``None`` (a DHT of no process of its own): not gone. The grace counts from the signal, so
+    a stop that reached this process alone (``kill PID``) waits for it once, not at every call."""
+    since = stopped_for()
+    grace_s = 0.0 if since is None else max(0.0, DAEMON_EXIT_GRACE_S - since)
+    return dht_pid is not None and not _daemon_alive(dht_pid, grace_s)
 
 
 def kill_if_daemon_gone(helper: Any, dht_pid: int) -> bool:

@@ -140,11 +140,23 @@ def _stop_signals() -> list[int]:
 #: reached this process's p2p daemons, so shutting a helper down waits a moment for its daemon to go
 #: (:func:`greenswarm.network.end_helper`) -- and only then, not on every clean stop
 _stopping = threading.Event()
+_stopped_at: list[float] = []  # when (monotonic) the first stop signal arrived
+
+
+def _mark_stopping() -> None:
+    if not _stopping.is_set():
+        _stopped_at.append(time.monotonic())
+        _stopping.set()
 
 
 def stopping() -> bool:
     """Whether a stop signal (SIGINT, SIGTERM, SIGHUP) has reached this process."""
     return _stopping.is_set()
+
+
+def stopped_for() -> float | None:
+    """Seconds since the first stop signal reached this process (None: none has)."""
+    return time.monotonic() - _stopped_at[0] if _stopped_at else None
 
 
 def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) -> None:
@@ -168,7 +180,7 @@ def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) ->
             os.kill(owner, signum)
             return
         first.append(time.monotonic())
-        _stopping.set()
+        _mark_stopping()
         log.info("received %s: finishing cleanly", signal.Signals(signum).name)
         callback()
 
@@ -215,13 +227,13 @@ def interrupt_on_termination() -> None:
             return
         for sig in (signal.SIGTERM, signal.SIGHUP):  # cleanup must not be cut short by a repeat
             signal.signal(sig, signal.SIG_IGN)
-        _stopping.set()
+        _mark_stopping()
         _terminated.set()
         raise Terminated(signal.Signals(signum).name)
 
     def interrupt(signum: int, frame: Any) -> None:
         if os.getpid() == owner:
-            _stopping.set()
+            _mark_stopping()
         signal.default_int_handler(signum, frame)  # Python's own KeyboardInterrupt, as a shell expects
 
     for sig in _stop_signals():

@@ -352,7 +352,7 @@ class Swarm:
         gone_by = time.monotonic() + 5
         alive = [p for p in started if _alive(p)]
         while alive and time.monotonic() < gone_by:
-            if all(_is_shm_manager(p) for p in alive):  # every client gone (see _is_shm_manager)
+            if all(_is_shm_manager(p) for p in alive) and not _escaped():  # (see _is_shm_manager)
                 for proc in alive:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         proc.kill()
@@ -439,13 +439,26 @@ class ProgressWatch:
 
 def _is_shm_manager(proc: psutil.Process) -> bool:
     """Whether ``proc`` is torch's shared-memory manager. It ends by itself 2 s after its last client
-    disconnects (libshm's idle timeout), so once every other process of a test's commands is gone it
-    has no client left and would end unasked: :meth:`Swarm.close` ends it then instead of waiting 2 s
-    in every test's teardown. A manager whose clients live on is still waited for, and recorded."""
+    disconnects (libshm's idle timeout), so once every other process of a test's commands is gone, and
+    none of this test process's escaped (:func:`_escaped`), it has no client left and would end unasked:
+    :meth:`Swarm.close` ends it then instead of waiting 2 s in every test's teardown. A manager with a
+    client left is still waited for, and recorded."""
     try:
         return proc.name() == "torch_shm_manager"
     except psutil.NoSuchProcess:
         return False
+
+
+def _escaped() -> list[psutil.Process]:
+    """Processes this test process started (:func:`owned`) that left its tree (reparented when their
+    parent ended) and still run, torch's shared-memory managers aside: a client such a manager may
+    still serve."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    escaped = []
+    for proc in psutil.process_iter():
+        if proc.pid not in mine and owned(proc) and _alive(proc) and not _is_shm_manager(proc):
+            escaped.append(proc)
+    return escaped
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -132,19 +133,22 @@ def test_the_last_record_is_not_waited_for_once_the_p2p_daemon_is_gone(tmp_path:
     no longer arrive, and its wait held every such stop for the write's whole timeout (5 s)."""
     daemon = tmp_path / "p2pd"  # a process the DHT's owner counts as its p2p daemon, by name
     shutil.copy(shutil.which("sleep") or "/bin/sleep", daemon)
-    dht_process = subprocess.Popen(["sh", "-c", f"{daemon} 60 & wait"])
+    # the DHT's process lives on after its daemon is gone, as hivemind's does
+    code = f"import subprocess, time; subprocess.Popen([{str(daemon)!r}, '60']); time.sleep(60)"
+    dht_process = subprocess.Popen([sys.executable, "-c", code])
     try:
         wait_until(lambda: psutil.Process(dht_process.pid).children(), timeout=10, what="the daemon")
         publisher = _publisher(PendingDHT(dht_process.pid), keepalive_s=0.0)
         began = time.monotonic()
         publisher.publish_final(_record(3), lives_s=1.0, timeout=1.0)  # the daemon lives: waited for
         assert time.monotonic() - began >= 1.0
-        for child in psutil.Process(dht_process.pid).children():
-            child.kill()
-            child.wait()
+        (daemon_process,) = psutil.Process(dht_process.pid).children()
+        daemon_process.kill()  # (a zombie until its parent reaps it: exited, all the same)
+        wait_until(lambda: daemon_process.status() == psutil.STATUS_ZOMBIE, timeout=10, what="its end")
         began = time.monotonic()
         publisher.publish_final(_record(4), lives_s=1.0, timeout=30.0)
         assert time.monotonic() - began < 5.0  # gone: not waited for
+        assert dht_process.poll() is None  # (the DHT's process itself still runs)
         assert [w["value"]["local_steps"] for w in publisher.dht.writes] == [3, 4]  # both were sent
     finally:
         dht_process.kill()

@@ -85,6 +85,8 @@ def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -
     wait_until(lambda: swarm.log("node-crash").count("first training step") == 2, 60, "the node's restart")
     assert "the node died (SIGKILL); restarting it" in swarm.log("node-crash")
     assert re.search(r"resumed from \S+checkpoint.pt", swarm.log("node-crash"))
+    # the restarted node's helpers and daemon must be gone after its stop too (the first node's died)
+    started["node-crash"] = [c.pid for c in psutil.Process(pid["node-crash"].pid).children(recursive=True)]
     orphaned = [c.pid for c in psutil.Process(pid["node-orphan"].pid).children(recursive=True)]
     os.kill(pid["node-orphan"].pid, signal.SIGKILL)  # the supervisor: its node must stop by itself
     swarm.kill("node-int", signal.SIGINT)  # Ctrl-C: the whole foreground group gets it

@@ -51,6 +51,7 @@ from greenswarm.node.shard_records import (
     record_of,
     shards_key,
 )
+from greenswarm.procs import stopping
 
 #: how long a site's shard record lives after its last write (its positions outlive its leases; every
 #: live site carries every position it has read, so they outlive the record too)
@@ -59,6 +60,8 @@ RECORD_TTL_S = 6 * 3600.0
 QUEUE_DEPTH = 2
 #: how long a DHT read or write of the records may take (at most a third of the lease)
 DHT_TIMEOUT_S = 10.0
+#: why a record was not written when this site's p2p daemon had gone (a stop to the process group)
+DAEMON_GONE = "this site's p2p daemon is gone"
 #: a site that could not give every rank a shard gives back what it got and tries again this much later
 RETRY_S = 2.0
 
@@ -647,10 +650,13 @@ class ShardClaims:
                     expiration_time=self._expires,
                     return_future=True,
                 )
-                if not wait or daemon_gone(getattr(self.dht, "pid", None)):  # (see daemon_gone)
+                if not wait:
                     return False
-                stored = bool(future.result(timeout=self.dht_timeout_s))
-                why = "the DHT did not store it"
+                if daemon_gone(getattr(self.dht, "pid", None)):  # it cannot arrive: not waited for
+                    stored, why = False, DAEMON_GONE
+                else:
+                    stored = bool(future.result(timeout=self.dht_timeout_s))
+                    why = "the DHT did not store it"
             except Exception as e:  # the DHT is busy or shutting down
                 stored, why = False, f"{type(e).__name__}: {e}"
             if stored and renew:
@@ -658,7 +664,7 @@ class ShardClaims:
                     for lease in leases:
                         if self._holds(lease):
                             self.held[lease.shard] = lease
-        if not stored:
+        if not stored and not (stopping() and why == DAEMON_GONE):  # (a group's stop ends it too)
             self.log.warning(
                 "shard claims: this site's shard record was not written (%s); renewal retries", why
             )
