@@ -17,7 +17,7 @@ from greenswarm.scheduler.energy import baseline_emissions_g
 from greenswarm.scheduler.policy import ThresholdPolicy, WindowSchedule
 from greenswarm.traces import load_trace
 from tests._shared import shared_available, shared_path
-from tests.conftest import LEARNED_LOSS, loss_fell
+from tests.conftest import LEARNED_LOSS, TEST_STEPS_PER_S, loss_fell
 
 pytestmark = [pytest.mark.swarm, pytest.mark.quality]
 
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.swarm, pytest.mark.quality]
 def _start_demo(workdir: Path, *args: str) -> subprocess.Popen:
     """Start a demo; its output goes to files (two demos at once must not block on a full pipe)."""
     workdir.mkdir(parents=True)
-    command = ["demo", "--minutes", "1", "--json", "--workdir", str(workdir), *args]
+    pace = f"train.max_steps_per_s={TEST_STEPS_PER_S}"  # (a test's sites need tens of steps, not all)
+    command = ["demo", "--minutes", "1", "--json", "--workdir", str(workdir), "--set", pace, *args]
     return subprocess.Popen(
         [sys.executable, "-m", "greenswarm", *command],
         stdout=open(workdir / "stdout", "w"),  # noqa: SIM115  (closed with the process)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from greenswarm.node.checkpoint import Checkpointer
-from tests.conftest import Swarm, site_config, wait_until, write_trace
+from tests.conftest import TEST_STEPS_PER_S, Swarm, site_config, wait_until, write_trace
 
 pytestmark = [pytest.mark.swarm, pytest.mark.faults]
 
@@ -47,7 +47,10 @@ def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -
     # the demo first: it starts a bootstrap and then its three sites, the slowest start of all, and the
     # nodes train flat out once they are up (a node stopped with kill PID is node-crash, after its
     # restart: a node-term beside it did only what node-crash does, for one more training process)
-    swarm.command("demo", "demo", "--no-live", "--minutes", "3", "--workdir", str(tmp_path / "demo"))
+    pace = f"train.max_steps_per_s={TEST_STEPS_PER_S}"
+    swarm.command(
+        "demo", "demo", "--no-live", "--minutes", "3", "--workdir", str(tmp_path / "demo"), "--set", pace
+    )
     peers = swarm.bootstrap("entry")
     trace = write_trace(tmp_path / "green.csv", {"GREEN": [10.0] * 24}, step_s=3600)
     start = time.time() + 4

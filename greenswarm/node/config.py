@@ -68,6 +68,10 @@ class TrainConfig:
     own weights restart the average when it has taken fewer steps. Every site of a swarm must configure
     ``optimizer`` and ``sf_z`` alike (they decide what a round averages; a differing site never meets
     the others' groups).
+
+    ``max_steps_per_s`` caps the inner steps per wall second (0, the default: as fast as the machine
+    goes), for a machine shared with other work, a demo on a laptop, or a test swarm that needs a few
+    steps per window (``greenswarm.node.pacing``).
     """
 
     batch_size: int = 8
@@ -89,6 +93,7 @@ class TrainConfig:
     sf_momentum: float = 0.0
     sf_z: ZMode = "average"
     sf_keep_average: bool = False
+    max_steps_per_s: float = 0.0  # a cap on inner steps per wall second (0: as fast as it can)
 
     @property
     def schedule_free(self) -> bool:
@@ -120,6 +125,10 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"must be in [0, 1), got {getattr(self, name)}", field=name)
+        if not math.isfinite(self.max_steps_per_s) or self.max_steps_per_s < 0:
+            raise ConfigError(
+                f"must be >= 0 (0: no cap), got {self.max_steps_per_s}", field="max_steps_per_s"
+            )
         if self.warmup_steps < 0 or self.threads < 0:
             name = "warmup_steps" if self.warmup_steps < 0 else "threads"
             raise ConfigError("must be >= 0", field=name)

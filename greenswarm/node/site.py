@@ -38,6 +38,7 @@ from greenswarm.node.global_state import GlobalState
 from greenswarm.node.history import History
 from greenswarm.node.joining import SwarmParts, join_swarm, refuse_other_models
 from greenswarm.node.metrics import SiteMetrics, serve_site_metrics
+from greenswarm.node.pacing import StepPace
 from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.releasing import Releaser
 from greenswarm.node.round_handling import (
@@ -120,7 +121,8 @@ class SiteNode:
         self._slot = -1
         self._window: Window | None = None  # the window the site was in at its last state decision
         self._begin_s = 0.0  # how long beginning the round in flight held training up
-        self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds
+        self._step_s: deque[float] = deque(maxlen=8)  # the last inner steps' wall seconds (paced: apart)
+        self.pace = StepPace(cfg.train.max_steps_per_s)
         self._said_matchmaking = False
         self._status = StatusLine(cfg.node.log_every_s)
         self.metrics: SiteMetrics | None = None  # node.metrics_port: Prometheus, from the start of run
@@ -250,6 +252,7 @@ class SiteNode:
         self.stats.add_step(step)
         if self.shards is not None:
             self.shards.after_step(step.data)
+        self.pace.pause(began, self._stop)  # (train.max_steps_per_s; groupmates' steps are this far apart)
         self._step_s.append(time.monotonic() - began)
         self.round_handler.step_taken()
         if self.releaser.restart is not None:
