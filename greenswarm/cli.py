@@ -559,9 +559,10 @@ def _trace_options(args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from greenswarm.procs import interrupt_on_termination, reap_children, setup_logging
+    from greenswarm.procs import interrupt_on_termination, reap_children, setup_logging, stacks_on_request
 
     setup_logging(args.verbose)
+    stacks_on_request()
     interrupt_on_termination()
     try:
         return _dispatch(args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -238,6 +239,18 @@ def interrupt_on_termination() -> None:
 
     for sig in _stop_signals():
         signal.signal(sig, interrupt if sig == signal.SIGINT else handler)
+
+
+#: the signal that makes a greenswarm process print every thread's Python stack to its stderr (its log)
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def stacks_on_request() -> None:
+    """``kill -USR1 PID`` prints every thread's stack to stderr and the process goes on: what a node
+    that does not stop is waiting on, without a debugger. It is CPython's C-level handler, so it
+    answers even while a thread holds the GIL in native code (docs/testing.md row 32's hang), and a
+    forked helper (hivemind's DHT and averager processes) inherits it and answers for itself."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 _restarting = threading.Lock()  # (one at a time: the setting is the process's, not a thread's)

@@ -294,8 +294,10 @@ class Swarm:
         try:
             return self.procs[name].wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            dumped = dump_stacks(self.procs[name].pid)  # what it waits on, into its log (the tail below)
             raise AssertionError(
-                f"{name} did not finish in {timeout} s; log:\n{self.log(name)[-3000:]}"
+                f"{name} did not finish in {timeout} s; stacks of {dumped} of its Python processes at "
+                f"the timeout are at its log's end; log:\n{self.log(name)[-12000:]}"
             ) from None
 
     def stop(self, *names: str, timeout: float = 90) -> dict[str, int]:
@@ -391,6 +393,31 @@ class Swarm:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def dump_stacks(pid: int, settle_s: float = 1.0) -> int:
+    """Ask ``pid`` and every Python process under it (its DHT and averager helpers, torchrun's ranks)
+    for every thread's stack (:func:`greenswarm.procs.stacks_on_request`), which each prints to the
+    stderr it shares with the command's log; return how many were asked. Not the p2pd daemons: Go
+    exits on SIGUSR1."""
+    from greenswarm.procs import STACKS_SIGNAL
+
+    asked = 0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for proc in procs:
+        try:
+            if "python" not in proc.name() and "python" not in " ".join(proc.cmdline()[:1]):
+                continue
+            proc.send_signal(STACKS_SIGNAL)
+            asked += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    time.sleep(settle_s)  # (each writes its own; a second is plenty for a few threads each)
+    return asked
 
 
 def _rank_zero(pid: int) -> int:

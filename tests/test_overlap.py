@@ -140,6 +140,38 @@ def test_a_failed_background_round_leaves_the_sites_progress_intact() -> None:
     assert stats.counts["failed_rounds"] == 1 and handler_.sync.pending_round is None
 
 
+def test_a_round_that_can_no_longer_finish_is_given_up_and_its_late_result_moves_nothing() -> None:
+    """A stop that reached the p2p daemon too (Ctrl-C, SIGTERM to the group): the round in flight can
+    no longer finish, and the node's stop gives it up (``give_up``) instead of running out its timeouts.
+    It ends as a failed round: local progress and tokens kept, the global state as it was, even when
+    the group's agreed step arrives on the round's thread afterwards (docs/testing.md row 70)."""
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    averager = HeldAverager(outcome(torch.full((N,), 0.25), members=[ME, B], slot=7))
+    handler_ = handler(federation(averager), state, ranks, stats=stats)
+    handler_.begin(7, lambda: 1)
+    assert averager.entered.wait(10)
+    _train_meanwhile(handler_, ranks, stats)
+    asked: list[float] = []
+
+    def give_up() -> str | None:  # the daemon "goes" at the second look
+        asked.append(time.monotonic())
+        return "its p2p daemon is gone" if len(asked) >= 2 else None
+
+    flight = handler_.in_flight
+    end = handler_.finish(give_up)
+    assert (end.action, end.moved, end.reason) == ("fail", False, "its p2p daemon is gone")
+    assert len(asked) == 2 and flight.abandoned
+    assert state.outer_round == 0 and torch.equal(state.params, torch.ones(N))
+    assert torch.allclose(ranks.local, torch.full((N,), 0.4)) and stats.tokens_since_sync == 60
+    averager.release.set()  # the group agreed after all: this site's thread must not apply it now
+    flight.future.result(timeout=10)
+    assert state.outer_round == 0 and torch.equal(state.params, torch.ones(N)) and not flight.applied
+    # without a reason to give up, the wait is the round's own (its result counts)
+    handler_.begin(8, lambda: 1)
+    averager.release.set()
+    assert handler_.finish(lambda: None).action in ("apply", "fail")
+
+
 def test_a_resync_after_a_background_round_keeps_the_steps_since_the_snapshot() -> None:
     """The majority's state holds this site's snapshot (in their step), not what it trained since."""
     state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ from greenswarm.node.ranks import SiteRanks
 from greenswarm.node.round_log import RoundEntry
 from greenswarm.node.site_stats import SiteStats
 from greenswarm.node.state_sync import PendingRound, StateSync
+
+#: how often a wait for a background round asks whether to give up on it (RoundHandler.finish)
+GIVE_UP_POLL_S = 0.25
 
 
 @dataclass
@@ -88,6 +92,9 @@ class RoundInFlight:
     # the inner steps behind ``delta`` (moved out of the site's steps since its last outer step, like
     # ``tokens``; fednova's tau). Not ``steps``: those are taken after the snapshot
     trained_steps: int = 0
+    # the loop stopped waiting for it (see RoundHandler.finish's ``give_up``): its thread must not move
+    # the global state any more
+    abandoned: bool = False
 
 
 def overlapped_matchmaking_s(
@@ -161,6 +168,7 @@ class RoundHandler:
         self.stats, self.counts, self.peer_id = stats, stats.counts, peer_id
         self.log = log or logging.getLogger(__name__)
         self.in_flight: RoundInFlight | None = None  # a federated round begun and not yet finished
+        self._applying = threading.Lock()  # a round's thread applying vs. the loop giving up on it
         sync.on_settled = self._settled
 
     def catch_up_due(self, federated: bool) -> bool:
@@ -218,18 +226,40 @@ class RoundHandler:
         flight = self.in_flight
         return flight is not None and (flight.future is None or flight.future.done())
 
-    def finish(self) -> RoundEnd:
+    def finish(self, give_up: Callable[[], str | None] | None = None) -> RoundEnd:
         """Act on the round in flight, waiting for its result if it has none yet: apply the group's step,
         resync to the majority's state, or keep local progress. Inner steps taken since the snapshot
-        are kept on top of the new global model (the one-step-delayed outer step, docs/overlap.md)."""
+        are kept on top of the new global model (the one-step-delayed outer step, docs/overlap.md).
+
+        ``give_up``, asked while a background round's result is awaited: a reason the round can no
+        longer finish (a stopping site whose p2p daemon is gone), after which it ends as a failed round
+        (local progress kept) instead of running out its timeouts, and its thread moves nothing."""
         flight, self.in_flight = self.in_flight, None
         assert flight is not None, "no round in flight"
-        end = self._act(flight)
+        end = self._act(flight, give_up)
         end.steps_meanwhile = flight.steps
         return end
 
-    def _act(self, flight: RoundInFlight) -> RoundEnd:
-        result = flight.future.result() if flight.future is not None else self._run(flight)
+    def _awaited(self, flight: RoundInFlight, give_up: Callable[[], str | None] | None) -> RoundResult:
+        """The background round's result, or a failure once ``give_up`` gives a reason."""
+        assert flight.future is not None
+        while give_up is not None:
+            try:
+                return flight.future.result(timeout=GIVE_UP_POLL_S)
+            except FutureTimeout:
+                pass
+            reason = give_up()
+            if reason is None:
+                continue
+            with self._applying:
+                # (applied, or ended, meanwhile: its own result counts, and is at most a moment away)
+                if not flight.future.done() and not flight.applied:
+                    flight.abandoned = True
+                    return Failed(flight.slot, reason, RoundOutcome(False))
+        return flight.future.result()
+
+    def _act(self, flight: RoundInFlight, give_up: Callable[[], str | None] | None = None) -> RoundEnd:
+        result = self._awaited(flight, give_up) if flight.future is not None else self._run(flight)
         self.stats.add_attempt(result.outcome.seconds)  # (before its outcome's count: see SiteStats)
         self.counts["refused_updates"] += len(result.refused)
         if flight.applied:  # on the round's thread: only the local model is left to move
@@ -294,9 +324,12 @@ class RoundHandler:
             self.log.exception("round %d raised", slot)
             return Failed(slot, f"the round raised {type(e).__name__}: {e}", RoundOutcome(False))
         if flight.background and isinstance(result, Applied):
-            # an agreed step that cannot be applied (NaN past the screening) ends the node, as in a
-            # blocking round: finish re-raises it on the loop's thread
-            self._apply_now(flight, result)
+            with self._applying:
+                if flight.abandoned:  # the loop ended this round as failed, and holds its progress
+                    return result
+                # an agreed step that cannot be applied (NaN past the screening) ends the node, as in a
+                # blocking round: finish re-raises it on the loop's thread
+                self._apply_now(flight, result)
         return result
 
     def _apply_now(self, flight: RoundInFlight, result: Applied) -> None:

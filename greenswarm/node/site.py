@@ -28,6 +28,7 @@ from typing import Any
 from greenswarm.averaging.agreement import state_digest
 from greenswarm.averaging.outer import OuterOptimizer
 from greenswarm.faults import FaultPlan
+from greenswarm.network import daemon_gone
 from greenswarm.node.config import SiteConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import HeldOut
@@ -198,7 +199,7 @@ class SiteNode:
                 federated = state is FEDERATED
                 if self._between_rounds() and self.sync.heal_due(self.swarm.view, in_window_only=federated):
                     self._catch_up(in_window_only=federated)
-                if self._round_due():
+                if self._round_due() and not self._stop.is_set():  # (a stop begins no round: it leaves)
                     began = time.monotonic()  # (the poll holds training up too: the round log counts it)
                     # decide SOLO vs FEDERATED on a fresh view of the swarm (bounded: see poll_now)
                     self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
@@ -294,15 +295,24 @@ class SiteNode:
             self.round_handler.end(state is FEDERATED, self._slot, self._partners, search_s), began
         )
 
-    def _finish_round(self, stopped: float | None = None) -> bool:
+    def _finish_round(self, stopped: float | None = None, give_up: Any = None) -> bool:
         """Act on the round in flight, if there is one (waiting for its result when it has none yet);
-        whether there was one. ``stopped``: when the loop stopped training, if before this call."""
+        whether there was one. ``stopped``: when the loop stopped training, if before this call;
+        ``give_up``: see :meth:`RoundHandler.finish`."""
         if self.round_handler.in_flight is None:
             return False
         # training was held up by the round's begin, and now from ``stopped`` (or now) until it is done
         began = (time.monotonic() if stopped is None else stopped) - self._begin_s
-        self._after_round(self.round_handler.finish(), began)
+        self._after_round(self.round_handler.finish(give_up), began)
         return True
+
+    def _round_cannot_finish(self) -> str | None:
+        """Why the round in flight can no longer finish, if it cannot: the site is stopping and its p2p
+        daemon is gone (a Ctrl-C or a SIGTERM to the node's process group reached the daemon too).
+        Waiting would only run out the round's timeouts, tens of seconds (docs/testing.md row 70)."""
+        if self._stop.is_set() and daemon_gone(getattr(self.swarm.dht, "pid", None)):
+            return "this site is stopping and its p2p daemon is gone: the round cannot finish"
+        return None
 
     def _after_round(self, end: RoundEnd, began: float) -> None:
         """What follows a round's end at this site: the new global model's checkpoint and record, the
@@ -660,7 +670,7 @@ class SiteNode:
 
     def _finish(self) -> dict[str, Any]:
         self.releaser.ended()
-        self._finish_round()
+        self._finish_round(give_up=self._round_cannot_finish)
         now = self.clock.now()
         if self.state is SOLO and self.stats.tokens_since_sync:
             self._end_round(SOLO)
