@@ -250,7 +250,9 @@ def stacks_on_request() -> None:
     that does not stop is waiting on, without a debugger. It is CPython's C-level handler, so it
     answers even while a thread holds the GIL in native code (docs/testing.md row 32's hang), and a
     forked helper (hivemind's DHT and averager processes) inherits it and answers for itself."""
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    stream = sys.__stderr__  # (fd 2, even where sys.stderr is replaced: an in-process run under pytest)
+    with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):  # no fd 2: no stacks
+        faulthandler.register(STACKS_SIGNAL, file=stream, all_threads=True)
 
 
 _restarting = threading.Lock()  # (one at a time: the setting is the process's, not a thread's)

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: site that trained from scratch only reaches this after enough steps (see :func:`loss_fell`)
 UNTRAINED_LOSS = 5.45
 #: a loss that shows the swarm learned: reached by the sites that trained and averaged longest
-#: (~3 in a quiet run, ~3.6 beside a second soak), never by one that took only a few steps
+#: (~3 in a quiet run, ~3.6 beside a second soak, when sites trained flat out; ~2.9-3.1 at 5 steps/s,
+#: test_overlap's sites), never by one that took only a few steps
 LEARNED_LOSS = 4.5
 #: a test site's cap on inner steps per wall second (``train.max_steps_per_s``). Flat out, each test
 #: site took a core (~20 steps/s of the tiny model here, ~50 ms of CPU each) whatever its test needed,
@@ -396,21 +397,22 @@ class Swarm:
 
 
 def dump_stacks(pid: int, settle_s: float = 1.0) -> int:
-    """Ask ``pid`` and every Python process under it (its DHT and averager helpers, torchrun's ranks)
-    for every thread's stack (:func:`greenswarm.procs.stacks_on_request`), which each prints to the
-    stderr it shares with the command's log; return how many were asked. Not the p2pd daemons: Go
-    exits on SIGUSR1."""
+    """Ask ``pid`` and every process under it that catches SIGUSR1 as greenswarm's do (its DHT and
+    averager helpers, a torchrun group's ranks: :func:`greenswarm.procs.stacks_on_request`) for every
+    thread's stack, which each prints to the stderr it shares with the command's log; return how many
+    were asked. Not a process that does not catch it (torchrun's agent, a Python still starting:
+    SIGUSR1 would end them), nor a p2pd daemon (Go catches every signal, and ignores this one)."""
     from greenswarm.procs import STACKS_SIGNAL
 
-    asked = 0
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0
+    asked = 0
     for proc in procs:
         try:
-            if "python" not in proc.name() and "python" not in " ".join(proc.cmdline()[:1]):
+            if proc.name() == "p2pd" or not _catches(proc.pid, STACKS_SIGNAL):
                 continue
             proc.send_signal(STACKS_SIGNAL)
             asked += 1
@@ -418,6 +420,16 @@ def dump_stacks(pid: int, settle_s: float = 1.0) -> int:
             continue
     time.sleep(settle_s)  # (each writes its own; a second is plenty for a few threads each)
     return asked
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (sig - 1) & 1)
 
 
 def _rank_zero(pid: int) -> int:

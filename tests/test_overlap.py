@@ -166,10 +166,54 @@ def test_a_round_that_can_no_longer_finish_is_given_up_and_its_late_result_moves
     averager.release.set()  # the group agreed after all: this site's thread must not apply it now
     flight.future.result(timeout=10)
     assert state.outer_round == 0 and torch.equal(state.params, torch.ones(N)) and not flight.applied
-    # without a reason to give up, the wait is the round's own (its result counts)
+
+    # without a reason to give up, the wait is the round's own, and its result counts
+    averager.outcomes.append(outcome(torch.full((N,), 0.25), members=[ME, B], slot=8))
     handler_.begin(8, lambda: 1)
-    averager.release.set()
-    assert handler_.finish(lambda: None).action in ("apply", "fail")
+    assert handler_.finish(lambda: None).action == "apply" and state.outer_round == 1
+
+
+class HeldBoard(FakeBoard):
+    """Holds the digest exchange (the agreement, after a successful all-reduce) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def exchange(self, *args: Any, **kwargs: Any) -> dict[str, str]:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the agreement"
+        return super().exchange(*args, **kwargs)
+
+
+def test_a_round_given_up_after_its_all_reduce_is_remembered_as_possibly_applied() -> None:
+    """Given up in the agreement: the all-reduce had succeeded, so the others may still apply a step
+    that holds this site's update. The site remembers it (its pending round), so a later catch-up
+    that finds it applied does not count this update and its tokens a second time."""
+    state, ranks, stats = global_state(1.0), FakeRanks(torch.full((N,), 0.5)), SiteStats(tokens_since_sync=40)
+    board = HeldBoard()
+    fed = federation(FakeAverager(outcome(torch.full((N,), 0.25), members=[ME, B], slot=7)), board)
+    handler_ = handler(fed, state, ranks, stats=stats)
+    handler_.begin(7, lambda: 1)
+    assert board.entered.wait(10)
+    end = handler_.finish(lambda: "its p2p daemon is gone")
+    assert (end.action, end.moved) == ("fail", False) and end.result.stage == "agreement"
+    pending = handler_.sync.pending_round
+    assert pending is not None and pending.slot == 7 and pending.tokens == 40
+    assert state.outer_round == 0 and stats.tokens_since_sync == 40  # the tokens wait in the pending round
+    board.release.set()
+
+
+def test_a_round_applied_before_the_give_up_counts_as_applied() -> None:
+    """The round's thread had applied the agreed step when the stop looked: it is an applied round."""
+    state, ranks = global_state(1.0), FakeRanks(torch.full((N,), 0.5))
+    handler_ = handler(
+        federation(FakeAverager(outcome(torch.full((N,), 0.25), members=[ME, B]))), state, ranks
+    )
+    handler_.begin(7, lambda: 1)
+    _wait_ready(handler_)
+    end = handler_.finish(lambda: "its p2p daemon is gone")
+    assert (end.action, end.moved) == ("apply", True) and state.outer_round == 1
 
 
 def test_a_resync_after_a_background_round_keeps_the_steps_since_the_snapshot() -> None:

@@ -45,7 +45,7 @@ def _alive(pids: list[int]) -> list[str]:
 
 def test_commands_stop_cleanly_and_leave_nothing(swarm: Swarm, tmp_path: Path) -> None:
     # the demo first: it starts a bootstrap and then its three sites, the slowest start of all, and the
-    # nodes train flat out once they are up (a node stopped with kill PID is node-crash, after its
+    # nodes train once they are up (a node stopped with kill PID is node-crash, after its
     # restart: a node-term beside it did only what node-crash does, for one more training process)
     pace = f"train.max_steps_per_s={TEST_STEPS_PER_S}"
     swarm.command(

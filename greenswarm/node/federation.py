@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -152,11 +153,14 @@ class Federation:
         matchmaking_s: float | None = None,
         steps: int = 0,
         search_s: float | None = None,
+        on_averaged: Callable[[RoundOutcome, int], None] | None = None,
     ) -> RoundResult:
         """Average ``delta`` (this site's pseudo-gradient over ``tokens`` tokens and ``steps`` inner steps,
         taken in round ``slot``) with a group of up to ``partners`` other sites, and agree on the result.
         ``matchmaking_s``: how long to look for the group (``averaging.matchmaking_s`` if None);
-        ``search_s``: how long the group stays open to latecomers (twice that if None).
+        ``search_s``: how long the group stays open to latecomers (twice that if None);
+        ``on_averaged(outcome, slot)``: called once the all-reduce succeeded, before the agreement (from
+        then on the others may apply a step that holds this site's update).
 
         The weighting (``averaging.weighting``, :mod:`greenswarm.averaging.weighting`) happens here and
         only here: what goes to the averager is in its units (``fednova``: per inner step), and what
@@ -199,6 +203,8 @@ class Federation:
             return Failed(slot, outcome.reason, outcome, refused=self._refused(outcome))
         self._count(outcome)
         self._scale(outcome, slot)
+        if on_averaged is not None:
+            on_averaged(outcome, slot)
         verdict, agreement_s = self._agree(outcome, delta, state, slot)
         refused = self._refused(outcome)
         if verdict.action == "resync":

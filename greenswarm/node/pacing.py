@@ -21,7 +21,6 @@ class StepPace:
 
     def __init__(self, max_steps_per_s: float):
         self.interval_s = 1.0 / max_steps_per_s if max_steps_per_s > 0 else 0.0
-        self.paused_s = 0.0  # wall seconds spent in pauses (the summary's)
 
     def pause(self, began: float, stop: threading.Event) -> None:
         """After a step that began at ``began`` (``time.monotonic()``): wait out the rest of its interval,
@@ -31,4 +30,3 @@ class StepPace:
         left = began + self.interval_s - time.monotonic()
         if left > 0:
             stop.wait(left)
-            self.paused_s += left

@@ -95,6 +95,9 @@ class RoundInFlight:
     # the loop stopped waiting for it (see RoundHandler.finish's ``give_up``): its thread must not move
     # the global state any more
     abandoned: bool = False
+    # (outcome, group slot) once its all-reduce succeeded: from then on the others may apply a step
+    # holding this site's update, so a round given up on must remember it (StateSync.maybe_applied)
+    averaged: tuple[RoundOutcome, int] | None = None
 
 
 def overlapped_matchmaking_s(
@@ -233,7 +236,8 @@ class RoundHandler:
 
         ``give_up``, asked while a background round's result is awaited: a reason the round can no
         longer finish (a stopping site whose p2p daemon is gone), after which it ends as a failed round
-        (local progress kept) instead of running out its timeouts, and its thread moves nothing."""
+        (local progress kept; remembered as possibly applied by the others once its all-reduce had
+        succeeded) instead of running out its timeouts, and its thread then moves no state."""
         flight, self.in_flight = self.in_flight, None
         assert flight is not None, "no round in flight"
         end = self._act(flight, give_up)
@@ -255,6 +259,9 @@ class RoundHandler:
                 # (applied, or ended, meanwhile: its own result counts, and is at most a moment away)
                 if not flight.future.done() and not flight.applied:
                     flight.abandoned = True
+                    if flight.averaged is not None:  # past the all-reduce: failed in the agreement
+                        outcome, slot = flight.averaged
+                        return Failed(slot, reason, outcome, stage="agreement")
                     return Failed(flight.slot, reason, RoundOutcome(False))
         return flight.future.result()
 
@@ -309,6 +316,7 @@ class RoundHandler:
         background, an agreed step moves the global state at once, here: a groupmate that must resync
         downloads it from this site, and would time out waiting for the loop's next look."""
         slot = flight.slot
+        on_averaged = functools.partial(self._averaged, flight) if flight.background else None
         try:
             result = self.federation.run(
                 flight.delta,
@@ -319,6 +327,7 @@ class RoundHandler:
                 flight.matchmaking_s,
                 steps=flight.trained_steps,
                 search_s=flight.search_s,
+                on_averaged=on_averaged,
             )
         except Exception as e:  # a bug or a dead averager: the round fails, the site goes on
             self.log.exception("round %d raised", slot)
@@ -331,6 +340,11 @@ class RoundHandler:
                 # blocking round: finish re-raises it on the loop's thread
                 self._apply_now(flight, result)
         return result
+
+    def _averaged(self, flight: RoundInFlight, outcome: RoundOutcome, slot: int) -> None:
+        """(the round's thread) The all-reduce succeeded: a give-up from now on fails in the agreement."""
+        with self._applying:
+            flight.averaged = (outcome, slot)
 
     def _apply_now(self, flight: RoundInFlight, result: Applied) -> None:
         """(the round's thread) Take the agreed step on the global state, and do here what would

@@ -204,7 +204,7 @@ class SiteNode:
                     # decide SOLO vs FEDERATED on a fresh view of the swarm (bounded: see poll_now)
                     self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
                     state = self._update_state(self.clock.now())
-                    if state is not IDLE:
+                    if state is not IDLE and not self._stop.is_set():  # (the poll may take seconds)
                         self._end_round(state, began)
             self._report()
 
@@ -295,15 +295,15 @@ class SiteNode:
             self.round_handler.end(state is FEDERATED, self._slot, self._partners, search_s), began
         )
 
-    def _finish_round(self, stopped: float | None = None, give_up: Any = None) -> bool:
-        """Act on the round in flight, if there is one (waiting for its result when it has none yet);
-        whether there was one. ``stopped``: when the loop stopped training, if before this call;
-        ``give_up``: see :meth:`RoundHandler.finish`."""
+    def _finish_round(self, stopped: float | None = None) -> bool:
+        """Act on the round in flight, if there is one (waiting for its result when it has none yet,
+        unless it can no longer finish: :meth:`_round_cannot_finish`); whether there was one.
+        ``stopped``: when the loop stopped training, if before this call."""
         if self.round_handler.in_flight is None:
             return False
         # training was held up by the round's begin, and now from ``stopped`` (or now) until it is done
         began = (time.monotonic() if stopped is None else stopped) - self._begin_s
-        self._after_round(self.round_handler.finish(give_up), began)
+        self._after_round(self.round_handler.finish(self._round_cannot_finish), began)
         return True
 
     def _round_cannot_finish(self) -> str | None:
@@ -670,7 +670,7 @@ class SiteNode:
 
     def _finish(self) -> dict[str, Any]:
         self.releaser.ended()
-        self._finish_round(give_up=self._round_cannot_finish)
+        self._finish_round()
         now = self.clock.now()
         if self.state is SOLO and self.stats.tokens_since_sync:
             self._end_round(SOLO)
