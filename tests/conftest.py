@@ -39,8 +39,9 @@ UNTRAINED_LOSS = 5.45
 LEARNED_LOSS = 4.5
 #: a test site's cap on inner steps per wall second (``train.max_steps_per_s``). Flat out, each test
 #: site took a core (~20 steps/s of the tiny model here, ~50 ms of CPU each) whatever its test needed,
-#: and the suite was CPU-bound on that (docs/testing.md, issue #40); the tests need tens of steps per
-#: window, and 5/s gives them that on a quiet machine and under load alike, at a quarter of a core
+#: and took fewer steps whenever another test loaded the machine (docs/testing.md rows 30-69); the
+#: tests need tens of steps per window, and 5/s gives them that on a quiet machine and under load
+#: alike, at a quarter of a core. (It cut the suite's CPU, not its wall time: issue #40's notes)
 TEST_STEPS_PER_S = 5.0
 
 

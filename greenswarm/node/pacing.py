@@ -2,8 +2,9 @@
 
 Why a site would train slower than it can: an operator who shares the machine with other work, a
 demo on a laptop that must stay usable, and a test swarm whose question needs a few steps per window,
-not every step the CPU can take (docs/testing.md: flat-out test sites made the suite CPU-bound). The
-pause comes after a step, on the node's stop event, so a stop request still ends it at once.
+not every step the CPU can take: a capped site's step rate does not depend on the load beside it
+until the machine saturates (docs/testing.md, issue #40; it did not shorten the suite). The pause
+comes after a step, on the node's stop event, so a stop request still ends it at once.
 
 What it does not change: the energy ledger books the site's state (a paced site in its window holds
 its GPUs, and is booked at the state's draw), and the deadline plan prices hours with the throughput
