@@ -91,65 +91,69 @@ def _p2pd_started_after(t0: float) -> list[psutil.Process]:
     return found
 
 
-#: test modules that keep both cores busy -- several training sites (or torchrun ranks) at once, measured
-#: 62-94 % of this 2-core machine while they ran alone (the rest of the suite: 17-49 %, mostly waiting on
-#: replays, retries and polls) -- and test_deadline_node, whose plans price hours by the throughput its
-#: sites measure (at 3600x a wall second of a slowed step is an hour of the plan: beside a cpu-bound
-#: test its shared target came in 3 hours late). They carry the ``cpu_bound`` marker, and a parallel run
-#: gives them to one xdist worker, one after another, first; the other worker takes everything else
-#: beside them. So two of them never share the CPU -- test_fsdp's three-rank site missed its rounds when
-#: one did (and again beside test_release_node's releasing sites, which then joined this lane: a
-#: fresh-clone run of bc0d557; its one-site launcher tests, which mostly wait on a fresh Python, left
-#: it again as tests/test_launchers.py, queued early in the other lane) -- and what a test's timing
-#: meets beside it is at most the waiting kind
-CPU_BOUND = frozenset(
-    {
+#: test modules that keep a core or more busy -- several training sites (or torchrun ranks) at once,
+#: measured 62-94 % of this 2-core machine while they ran alone when sites trained flat out (the rest of
+#: the suite: 17-49 %, mostly waiting on replays, retries and polls) -- and test_deadline_node, whose
+#: plans price hours by the throughput its sites measure. They carry the ``cpu_bound`` marker, and a
+#: parallel run gives each of the two lanes below to one xdist worker, its modules one after another,
+#: first; the third worker takes everything else beside them. Until test sites were paced
+#: (``TEST_STEPS_PER_S``) this was one exclusive lane: a flat-out site took a core, and two such modules
+#: side by side halved each other's step rates (test_fsdp's three-rank site missed its rounds, row 36;
+#: test_deadline_node's shared target came in 3 trace hours late, row 35). A paced site needs a quarter
+#: of a core, and the whole suite passed beside two busy processes (the soak of 3f984f5), so two lanes
+#: now run side by side: the one lane's length was the suite's, and it was its replays, not its CPU.
+#: The lanes are balanced by their modules' times in CI; within each, the modules that ever missed a
+#: mark beside load come last, when the third worker has finished the heavy modules it starts with
+CPU_LANES = (
+    (
         "test_bootstrap_loss",
-        "test_calibrated_node",
         "test_certified_swarm",
-        "test_deadline_node",
-        "test_demo",
-        "test_fault_campaign",
-        "test_fsdp",
+        "test_calibrated_node",
+        "test_shards",
         "test_hardening",
+        "test_demo",
+        "test_release_node",
+    ),
+    (
         "test_nat",
         "test_overlap",
-        "test_release_node",
-        "test_schedule_free_swarm",
-        "test_shards",
         "test_shutdown",
+        "test_schedule_free_swarm",
         "test_swarm",
-    }
+        "test_fault_campaign",
+        "test_fsdp",
+        "test_deadline_node",
+    ),
 )
-
-
-#: the lane's modules that missed a mark when load came beside them (docs/testing.md rows 30, 35, 36,
-#: 45, 47, 69): the lane's last, in this order, when the other lane has run its heavy modules (or all).
-#: test_demo's swarm learns in a one-minute replay what the CPU it gets allows: beside the other
-#: lane's first modules in CI its sites took 4-8 steps each and its model measured 4.66, not < 4.5
-LANE_LAST = ("test_demo", "test_deadline_node", "test_release_node", "test_fsdp")
-#: the other lane's modules that train sites or start fresh Pythons: that lane's first, beside the
-#: lane's first modules (none of which ever missed a mark beside a training site), so the lane's tail
-#: meets light tests or none
+CPU_BOUND = frozenset(module for lane in CPU_LANES for module in lane)
+#: the other modules that train sites or start fresh Pythons: the third worker's first, beside the
+#: lanes' first modules (none of which ever missed a mark beside a training site), so the lanes' tails
+#: meet light tests or none
 OTHER_FIRST = ("test_launchers", "test_metrics", "test_export", "test_live_signal_node")
+
+
+def _lane(module: str) -> int | None:
+    """Which of :data:`CPU_LANES` holds ``module`` (None: the other modules')."""
+    return next((i for i, lane in enumerate(CPU_LANES) if module in lane), None)
 
 
 def _module(nodeid: str) -> str:
     return Path(nodeid.split("::", 1)[0]).stem
 
 
-def _queue_position(item: pytest.Item) -> tuple[int, int]:
-    """Where a test is queued: the lane (:data:`CPU_BOUND`) first, its :data:`LANE_LAST` modules at its
-    end; then the other lane, its :data:`OTHER_FIRST` modules first (file order otherwise)."""
+def _queue_position(item: pytest.Item) -> tuple[int, int, int]:
+    """Where a test is queued: the :data:`CPU_LANES` first, each in its order; then the other modules,
+    :data:`OTHER_FIRST` first (file order otherwise)."""
     module = _module(item.nodeid)
-    if module in CPU_BOUND:
-        return (0, LANE_LAST.index(module) + 1 if module in LANE_LAST else 0)
-    return (1, OTHER_FIRST.index(module) if module in OTHER_FIRST else len(OTHER_FIRST))
+    lane = _lane(module)
+    if lane is not None:
+        return (0, lane, CPU_LANES[lane].index(module))
+    return (1, 0, OTHER_FIRST.index(module) if module in OTHER_FIRST else len(OTHER_FIRST))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the :data:`CPU_BOUND` modules' tests, and queue them first (a parallel run gives them to one
-    worker: they are the longest lane), in the order :func:`_queue_position` gives."""
+    """Mark the :data:`CPU_BOUND` modules' tests, and queue them first (a parallel run gives each lane to
+    one worker: they are the longest), in the order :func:`_queue_position` gives."""
     for item in items:
         if _module(item.nodeid) in CPU_BOUND:
             item.add_marker(pytest.mark.cpu_bound)
@@ -158,9 +162,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """pyproject's ``-n 2`` (xdist's default ``--dist load``; any other ``--dist`` is xdist's own):
-    loadscope (a module's tests on one worker, its module fixtures set up once), with the
-    :data:`CPU_BOUND` modules as one scope, queued first (in collection order). Not xdist's
+    """pyproject's ``-n 3`` (xdist's default ``--dist load``; any other ``--dist`` is xdist's own):
+    loadscope (a module's tests on one worker, its module fixtures set up once), with each of the
+    :data:`CPU_LANES` one scope, queued first (in collection order): one worker each, the third takes
+    the other modules one by one, and a lane's worker takes them too once its lane is done. Not xdist's
     ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer reads, so
     its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
     from xdist.scheduler import LoadScopeScheduling
@@ -170,9 +175,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class CpuBoundFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cpu_bound" if _module(nodeid) in CPU_BOUND else nodeid.split("::", 1)[0]
+            lane = _lane(_module(nodeid))
+            return f"cpu_bound_{lane}" if lane is not None else nodeid.split("::", 1)[0]
 
-    config.option.loadscopereorder = False  # the collection's order: CPU_BOUND first
+    config.option.loadscopereorder = False  # the collection's order: the lanes first
     return CpuBoundFirst(config, log)
 
 
