@@ -189,6 +189,25 @@ def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) ->
         signal.signal(sig, handler)
 
 
+def restore_or_settle(previous: dict[int, Any]) -> None:
+    """Leave a supervising loop's stop handlers: restore ``previous`` if it is leaving by an exception,
+    or, once it has decided the command's status, ignore stops for the rest of the exit.
+
+    Why: a node or agent that has finished (its summary written, its status known) still spends
+    moments, seconds on a loaded machine, reaping its helpers and exiting. A ``kill PID`` then found
+    the restored handler of :func:`interrupt_on_termination`, which raised, and a node that had
+    finished exited 130 (test_swarm, in a fresh-clone run: a site's trainer finished at its last
+    window and the operator's stop reached its supervisor as it left). A stop has nothing left to
+    stop by then, and a node's stop is a clean exit, 0, whenever it comes. Call it in the loop's
+    ``finally``, where :func:`sys.exc_info` still holds the exception that is leaving, if any."""
+    if sys.exc_info()[1] is not None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        return
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised like Ctrl-C: every ``except KeyboardInterrupt`` catches it.
 

@@ -12,6 +12,7 @@ its own, so the supervisor's subreaper flag and signal handlers stay out of pyte
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -56,3 +57,57 @@ def test_a_restarted_node_does_not_wait_on_a_lock_its_predecessor_died_holding()
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "the node's DHT started" in done.stdout
+
+
+#: a supervisor whose node has finished, stopped by an operator (``kill PID``) as it leaves: the stop
+#: lands after ``supervise`` returned, where the command's own handler (``interrupt_on_termination``,
+#: as ``greenswarm``'s main installs it) used to be back and raised
+LATE_STOP = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    from greenswarm.node.supervisor import supervise
+    from greenswarm.procs import interrupt_on_termination
+
+    interrupt_on_termination()
+    code = supervise(lambda: 0, max_restarts=0, window_s=60.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # (a Python handler runs here, if one is installed)
+    print("exiting with", code, flush=True)
+    sys.exit(code)
+    """
+)
+
+
+def test_a_stop_that_reaches_a_finished_node_leaves_its_status() -> None:
+    """A node that finished exits 0 even if a stop reaches its supervisor while it exits (it exited
+    130 before: a fresh-clone run's test_swarm, whose sites finished at their last window as the test
+    stopped them)."""
+    done = subprocess.run([sys.executable, "-c", LATE_STOP], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "exiting with 0" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_a_supervising_loop_left_by_an_exception_gives_the_handlers_back() -> None:
+    """An exception leaving the loop (a bug, a KeyboardInterrupt in an in-process caller) restores the
+    handlers it replaced; a decided status ignores stops for the rest of the exit."""
+    from greenswarm.procs import restore_or_settle
+
+    def mine(_signum: int, _frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(ValueError):
+            try:
+                raise ValueError("the loop's bug")
+            finally:
+                restore_or_settle({signal.SIGTERM: mine})
+        assert signal.getsignal(signal.SIGTERM) is mine
+        try:
+            pass
+        finally:
+            restore_or_settle({signal.SIGTERM: mine})
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

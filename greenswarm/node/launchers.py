@@ -49,7 +49,7 @@ import psutil
 
 from greenswarm.node.releasing import LAUNCHED_ENV, RANK0_READY, RELEASED_EXIT, released_by
 from greenswarm.node.supervisor import PRESENCE_STOP_S, STOP_SIGNALS, CrashBudget, end_child, fork_child
-from greenswarm.procs import ending_with_parent, reap_children
+from greenswarm.procs import ending_with_parent, reap_children, restore_or_settle
 
 log = logging.getLogger("greenswarm.launcher")
 
@@ -220,8 +220,7 @@ def run_command_launcher(
             if not crashes.allow(signal.Signals(killed).name):
                 return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_or_settle(previous)  # (a status decided: a stop from here on leaves it as it is)
 
 
 def _wait(proc: subprocess.Popen, every_s: Callable[[], None] | None = None) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 from greenswarm.hivemind_internals import fresh_future_locks
 from greenswarm.node.releasing import RELEASED_EXIT
-from greenswarm.procs import reap_children
+from greenswarm.procs import reap_children, restore_or_settle
 
 log = logging.getLogger("greenswarm.supervisor")
 
@@ -116,8 +116,7 @@ def supervise(
             if not crashes.allow(signal.Signals(signum).name):
                 return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_or_settle(previous)  # (a status decided: a stop from here on leaves it as it is)
 
 
 class CrashBudget:
