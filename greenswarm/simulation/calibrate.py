@@ -18,6 +18,11 @@ waited for it, ``blocked_s``, in wall seconds). From them:
   at the window's end's intensity. (The mean, not the median: every crossing is booked, so the
   total is what must match.) A window entered by a restart after a release is not an edge here:
   its delay is the restart's.
+* ``finish_s``: how long a trainer that finished after its last window (a releasing site's: the run
+  had nothing left for it) stayed IDLE from noticing that window's close to its last point -- its
+  last checkpoint, summary and exit, in clock seconds, the mean over the sites that did. A second of
+  wall time, it is minutes of a replay's trace at the dirty hour after the window (test_release_node:
+  1.5-8 minutes at 360x, 3 % of its sites' emissions when it was left out).
 * for a site that released its trainer between windows (``releases.jsonl``): ``release.mode`` as
   the node had it, ``released_kw`` (kWh booked RELEASED / its hours), ``restart_s`` (the clock
   seconds booked RESTARTING / the restarts) and ``checkpoint_s`` (the mean clock seconds the
@@ -63,6 +68,7 @@ class Calibration:
     round_overhead_s: float | None = None
     enter_delay_s: float | None = None
     leave_delay_s: float | None = None
+    finish_s: float | None = None
     federated_rounds: int = 0
     window_edges: int = 0
     release_mode: str | None = None
@@ -88,6 +94,8 @@ class Calibration:
             prov = replace(
                 prov, at_polls=False, enter_delay_s=self.enter_delay_s, leave_delay_s=self.leave_delay_s
             )
+        if self.finish_s is not None:
+            prov = replace(prov, finish_s=self.finish_s)
         release = policy.release
         if self.release_mode is not None:
             release = replace(release, mode=self.release_mode)  # type: ignore[arg-type]
@@ -111,6 +119,7 @@ class Calibration:
             "round_overhead_s": self.round_overhead_s,
             "enter_delay_s": self.enter_delay_s,
             "leave_delay_s": self.leave_delay_s,
+            "finish_s": self.finish_s,
             "federated_rounds": self.federated_rounds,
             "window_edges": self.window_edges,
             "release_mode": self.release_mode,
@@ -148,6 +157,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
     blocked: list[float] = []
     enter: list[float] = []
     leave: list[float] = []
+    finishes: list[float] = []
     intervals: set[float] = set()
     for site in sites:
         try:
@@ -181,12 +191,15 @@ def calibrate(run_dir: str | Path) -> Calibration:
         site_enter, site_leave = _edge_delays(site / HISTORY)
         enter += site_enter
         leave += site_leave
+        finishes += _finish(site / HISTORY)
     cal = Calibration(str(root), len(sites), federated_rounds=len(blocked))
     cal.window_edges = len(enter) + len(leave)
     if enter and leave:
         cal.enter_delay_s, cal.leave_delay_s = statistics.fmean(enter), statistics.fmean(leave)
     else:
         cal.notes.append("the run did not both enter and leave a window: the polls kept")
+    if finishes:
+        cal.finish_s = statistics.fmean(finishes)
     cal.train_kw = kwh["train"] / hours["train"] if hours["train"] > 0 else None
     cal.idle_kw = kwh["idle"] / hours["idle"] if hours["idle"] > 0 else None
     if len(intervals) == 1:
@@ -270,3 +283,22 @@ def _edge_delays(path: Path) -> tuple[list[float], list[float]]:
                 leave.append(float(late))
         state = new
     return enter, leave
+
+
+def _finish(path: Path) -> list[float]:
+    """The clock seconds a site stayed IDLE after it noticed its last window close (a window's close,
+    above its threshold: not the run's end) to its last point, if it never trained again ([]
+    otherwise)."""
+    left, last, state = None, None, None
+    for point in read_json_lines(path):
+        if point.get("kind") != "point" or not isinstance(point.get("clock"), int | float):
+            continue
+        new, last = point.get("state"), float(point["clock"])
+        if new in TRAINING:
+            left = None
+        elif state in TRAINING and new == "IDLE":
+            intensity, threshold = point.get("intensity"), point.get("threshold")
+            closed = isinstance(intensity, int | float) and isinstance(threshold, int | float)
+            left = last if closed and intensity > threshold else None
+        state = new
+    return [] if left is None or last is None else [last - left]

@@ -71,7 +71,10 @@ class ProvisioningConfig:
     step in hand (``simulate --calibrate`` measures both). ``powered``: ``windows`` -- the site draws
     nothing outside its windows (the anchor deprovisions its machines); ``always`` -- it is powered
     from the start of the run, drawing ``idle_kw`` whenever it is not training (a node that keeps its
-    process and model while IDLE).
+    process and model while IDLE). ``finish_s``: clock seconds a releasing site's trainer holds its
+    GPUs idle after its last window while it finishes (its last checkpoint, its summary, leaving the
+    swarm): 0 by default, seconds for a real site; ``simulate --calibrate`` measures it, since at a
+    replay's speed-up a finish of a wall second is minutes of the trace.
     """
 
     startup_s: float = 0.0
@@ -83,6 +86,7 @@ class ProvisioningConfig:
     enter_delay_s: float = 0.0
     leave_delay_s: float = 0.0
     powered: Powered = "windows"
+    finish_s: float = 0.0
 
     def validate(self) -> None:
         check_number(self.startup_s, "startup_s", minimum=0.0, inclusive=True)
@@ -93,6 +97,7 @@ class ProvisioningConfig:
         check_number(self.enter_delay_s, "enter_delay_s", minimum=0.0, inclusive=True)
         check_number(self.leave_delay_s, "leave_delay_s", minimum=0.0, inclusive=True)
         _one_of(self.powered, POWERED, "powered")
+        check_number(self.finish_s, "finish_s", minimum=0.0, inclusive=True)
 
 
 def _one_of(value: str, choices: tuple[str, ...], name: str) -> None:
@@ -300,10 +305,9 @@ def release_gaps(
     (``wake``) and restarts the trainer, whose restart runs to its end even past a window that
     closed meanwhile. A site launched outside a window starts its trainer, which releases by the
     same rule; one launched in a window holds until it has noticed it; after the last window the
-    trainer finishes (the run has nothing left for it): it writes its last checkpoint, as a release
-    does, holding the GPUs idle, and draws nothing after. (That checkpoint was left out: a node
-    books it, and at a replay's speed-up a finish of a wall second is minutes of the trace; in
-    test_release_node, 3 % of the sites' emissions at the dirty hour after their last window.)"""
+    trainer finishes (the run has nothing left for it): it holds the GPUs idle for
+    ``provisioning.finish_s`` (its last checkpoint and summary; a node books that time IDLE) and
+    draws nothing after."""
     e, r = policy.energy, policy.release
     rule = ReleaseRule(r, e.train_kw, e.idle_kw, e.released_kw)
     forecasters = {m: release_forecaster(policy.scheduler, m) for m in (r.mode, "auto")}
@@ -313,8 +317,8 @@ def release_gaps(
     last = start  # where the next gap starts: the end of the last window (or of its restart)
     for i in range(len(enter) + 1):
         g0, g1 = last, (enter[i] if i < len(enter) else end)
-        if g1 > g0 and i == len(enter) and i:  # after the last window: the trainer's last checkpoint
-            ckpt.append((g0, min(g0 + r.checkpoint_s, g1)))
+        if g1 > g0 and i == len(enter) and i:  # after the last window: the trainer's finish
+            held.append((g0, min(g0 + policy.provisioning.finish_s, g1)))
         if g1 > g0 and i < len(enter):
             first = i == 0 and g0 == start  # (a gap that follows no window is decided as auto would)
             if first and not launched_outside:
