@@ -189,7 +189,7 @@ def on_termination(callback: Callable[[], None], repeat_after_s: float = 2.0) ->
         signal.signal(sig, handler)
 
 
-def restore_or_settle(previous: dict[int, Any]) -> None:
+def restore_or_settle(previous: dict[int, Any], leaving: BaseException | None) -> None:
     """Leave a supervising loop's stop handlers: restore ``previous`` if it is leaving by an exception,
     or, once it has decided the command's status, ignore stops for the rest of the exit.
 
@@ -199,13 +199,20 @@ def restore_or_settle(previous: dict[int, Any]) -> None:
     finished exited 130 (test_swarm, in a fresh-clone run: a site's trainer finished at its last
     window and the operator's stop reached its supervisor as it left). A stop has nothing left to
     stop by then, and a node's stop is a clean exit, 0, whenever it comes. Call it in the loop's
-    ``finally``, where :func:`sys.exc_info` still holds the exception that is leaving, if any."""
-    if sys.exc_info()[1] is not None:
+    ``finally``, with ``leaving`` the exception that is leaving it (None on a return): the caller's
+    ``except BaseException`` names it, since :func:`sys.exc_info` would also show an exception that a
+    caller of the loop is handling. A no-op handler, not ``SIG_IGN``, which a program it might still
+    exec would inherit."""
+    if leaving is not None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         return
     for sig in previous:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _already_leaving)
+
+
+def _already_leaving(_signum: int, _frame: object) -> None:
+    """A stop that comes once the command's status is decided: nothing is left to stop."""
 
 
 class Terminated(KeyboardInterrupt):

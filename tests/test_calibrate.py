@@ -111,28 +111,20 @@ def test_calibration_takes_how_late_the_node_noticed_its_windows(tmp_path: Path)
 
 
 def test_calibration_takes_how_long_a_trainer_took_to_finish_after_its_last_window(tmp_path: Path) -> None:
-    """From noticing its last window's close (above the threshold) to its last point: a's 300 s.
-    b trained to the run's end (its IDLE below the threshold is the end, not a window's close); c
-    left a window and trained again: neither finished after a last window."""
-
-    def history(name: str, points: list[tuple[float, str, float]]) -> None:
+    """The mean of the journals' ``finish`` lines (what each ledger booked IDLE from leaving its last
+    window to its end); a run without one (sites that held to the end, ended released or were
+    stopped) keeps the policy's 0."""
+    for name, idle_s in (("a", 200.0), ("b", 400.0), ("c", None)):
         _site(tmp_path, name, blocked=[0.01])
-        lines = [json.dumps({"kind": "start"})]
-        lines += [
-            json.dumps({"kind": "point", "clock": c, "state": st, "intensity": i, "threshold": 100.0})
-            for c, st, i in points
-        ]
-        (tmp_path / name / "history.jsonl").write_text("\n".join(lines))
-
-    history(
-        "a", [(0.0, "SOLO", 50.0), (3700.0, "IDLE", 300.0), (3900.0, "IDLE", 300.0), (4000.0, "IDLE", 300.0)]
-    )
-    history("b", [(0.0, "SOLO", 50.0), (7300.0, "IDLE", 50.0), (7500.0, "IDLE", 50.0)])
-    history("c", [(0.0, "SOLO", 50.0), (3700.0, "IDLE", 300.0), (7200.0, "SOLO", 50.0)])
+        if idle_s is not None:
+            line = {"event": "finish", "clock": 9000.0, "idle_s": idle_s}
+            (tmp_path / name / "releases.jsonl").write_text(json.dumps(line) + "\n")
     cal = calibrate(tmp_path)
-    assert cal.finish_s == pytest.approx(300.0)
-    assert cal.apply(load_policy("greenswarm")).provisioning.finish_s == pytest.approx(300.0)
-    assert calibrate(tmp_path / "b").finish_s is None
+    assert cal.finish_s == pytest.approx(300.0) and cal.describe()["finish_s"] == pytest.approx(300.0)
+    policy = cal.apply(load_policy("greenswarm"))
+    assert policy.provisioning.finish_s == pytest.approx(300.0)
+    assert calibrate(tmp_path / "c").finish_s is None
+    assert calibrate(tmp_path / "c").apply(load_policy("greenswarm")).provisioning.finish_s == 0.0
 
 
 def test_noticed_late_s_is_measured_only_at_an_edge_the_site_passed() -> None:

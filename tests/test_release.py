@@ -17,6 +17,7 @@ import pytest
 from greenswarm.configuration import load_config
 from greenswarm.errors import ConfigError
 from greenswarm.jsonlines import read_json_lines
+from greenswarm.node.releasing import JOURNAL
 from greenswarm.scheduler.forecast import OracleForecaster, PersistenceForecaster
 from greenswarm.scheduler.release import ReleaseConfig, ReleaseRule, expected_gap_s
 from greenswarm.scheduler.state import SiteState
@@ -203,6 +204,8 @@ def test_a_trainer_that_finishes_after_its_last_window_holds_its_gpus_while_it_f
     assert held["emissions_kg"] - none["emissions_kg"] == pytest.approx(0.468 * 300 * 600 / H / 1000)
     assert held["sites"][0]["idle_hours"] - none["sites"][0]["idle_hours"] == pytest.approx(600 / H)
     assert held["sites"][0]["released_hours"] == 0.0  # (the agent has nothing left to wait for)
+    described = releasing("idle", "provisioning.finish_s=600").describe()
+    assert "finish 600 s at idle after its last window" in described
 
 
 def test_a_region_without_a_window_never_trains_nor_fails() -> None:
@@ -400,6 +403,14 @@ def test_no_release_when_no_window_is_left(tmp_path: Path) -> None:
     r, _ = releaser(tmp_path, "idle")
     r.plan(T0 + 5 * H)  # after the last window [4 h, 5 h)
     assert r.planned and r.release_at == math.inf and r.finishing
+    # its finish is journaled: IDLE from leaving the window to the end of its ledger, for --calibrate
+    r.finished(T0 + 5 * H + 120.0)
+    (line,) = [e for e in read_json_lines(tmp_path / "run" / JOURNAL) if e["event"] == "finish"]
+    assert line["idle_s"] == pytest.approx(120.0)
+    held, _ = releaser(tmp_path / "held", "never")  # a site that holds to the end journals none
+    held.plan(T0 + 5 * H)
+    held.finished(T0 + 6 * H)
+    assert not (tmp_path / "held" / "run" / JOURNAL).exists()
 
 
 def test_launcher_commands_are_checked_when_the_config_loads(tmp_path: Path) -> None:

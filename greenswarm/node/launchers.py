@@ -181,6 +181,7 @@ def run_command_launcher(
 
     crashes = CrashBudget(max_restarts, window_s)
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    leaving: BaseException | None = None
     try:
         while True:
             if stopping:  # asked to stop while no trainer ran
@@ -219,8 +220,11 @@ def run_command_launcher(
                 return code
             if not crashes.allow(signal.Signals(killed).name):
                 return 1
+    except BaseException as error:
+        leaving = error
+        raise
     finally:
-        restore_or_settle(previous)  # (a status decided: a stop from here on leaves it as it is)
+        restore_or_settle(previous, leaving)  # (a status decided: a stop from here on leaves it as it is)
 
 
 def _wait(proc: subprocess.Popen, every_s: Callable[[], None] | None = None) -> int:

@@ -123,6 +123,7 @@ class Releaser:
         self.decision: ReleaseDecision | None = None
         self.planned = False  # this gap's release is planned (or decided against)
         self.finishing = False  # no window is left: the node finishes its run now
+        self.finishing_since: float | None = None  # (clock) when it said so, as it left its last window
         self._blind = False  # said once: a live signal with no sample yet, so no release
         self.release_at = math.inf  # clock time at which the planned release is due
         self.stop_at = parse_instant(cfg.node.stop_at) if cfg.node.stop_at else math.inf
@@ -174,7 +175,7 @@ class Releaser:
         nxt = self.schedule.next_window(now)
         ends = self.cfg.node.stop_at_trace_end or math.isfinite(self.stop_at)
         if static and ends and (nxt is None or nxt.start >= self.stop_at):
-            self.finishing = True
+            self.finishing, self.finishing_since = True, now
             self.log.info("release: no window is left before the run ends: the trainer finishes now")
             return
         trace, region = self.schedule.trace, self.cfg.region  # (a live signal's: what it observed)
@@ -301,6 +302,14 @@ class Releaser:
             self.restart = None
             (self.run_dir / MARKER).unlink(missing_ok=True)
             self.log.info("release: the window closed before the restarted trainer's first step")
+
+    def finished(self, now: float) -> None:
+        """A trainer that finished after its last window (``finishing``) journals how long it stayed
+        IDLE from leaving that window to ``now``, the end of its ledger: what ``greenswarm simulate
+        --calibrate`` books as ``finish_s`` (seconds for a real site, minutes of a replay's trace)."""
+        if self.finishing and self.finishing_since is not None:
+            idle_s = max(0.0, now - self.finishing_since)
+            _append(self.run_dir / JOURNAL, {"event": "finish", "clock": now, "idle_s": idle_s})
 
     def ended(self) -> None:
         """The trainer stops for good (a stop, the trace's end): no restart is pending."""

@@ -675,6 +675,7 @@ class SiteNode:
         if self.state is SOLO and self.stats.tokens_since_sync:
             self._end_round(SOLO)
         self.ledger.advance(now, self.state)
+        self.releaser.finished(now)
         if self.state is not IDLE:
             self.log.info("%s -> IDLE (stopping)", self.state.value)
         self.state = IDLE

@@ -85,6 +85,7 @@ def supervise(
 
     crashes = CrashBudget(max_restarts, window_s)
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}  # for this whole life
+    leaving: BaseException | None = None
     try:
         while True:
             _collect_exited()  # what ended since the last look (the shared-memory manager ends late)
@@ -115,8 +116,11 @@ def supervise(
                 return 128 + stopping[0]
             if not crashes.allow(signal.Signals(signum).name):
                 return 1
+    except BaseException as error:
+        leaving = error
+        raise
     finally:
-        restore_or_settle(previous)  # (a status decided: a stop from here on leaves it as it is)
+        restore_or_settle(previous, leaving)  # (a status decided: a stop from here on leaves it as it is)
 
 
 class CrashBudget:

@@ -19,10 +19,10 @@ waited for it, ``blocked_s``, in wall seconds). From them:
   total is what must match.) A window entered by a restart after a release is not an edge here:
   its delay is the restart's.
 * ``finish_s``: how long a trainer that finished after its last window (a releasing site's: the run
-  had nothing left for it) stayed IDLE from noticing that window's close to its last point -- its
-  last checkpoint, summary and exit, in clock seconds, the mean over the sites that did. A second of
-  wall time, it is minutes of a replay's trace at the dirty hour after the window (test_release_node:
-  1.5-8 minutes at 360x, 3 % of its sites' emissions when it was left out).
+  had nothing left for it) booked IDLE from leaving that window to the end of its ledger, in clock
+  seconds (its journal's ``finish`` line; the mean over the sites that did). A second of wall time,
+  it is minutes of a replay's trace at the dirty hour after the window (test_release_node: 1.5-8
+  minutes at 360x, 3 % of its sites' emissions when it was left out).
 * for a site that released its trainer between windows (``releases.jsonl``): ``release.mode`` as
   the node had it, ``released_kw`` (kWh booked RELEASED / its hours), ``restart_s`` (the clock
   seconds booked RESTARTING / the restarts) and ``checkpoint_s`` (the mean clock seconds the
@@ -183,6 +183,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
                     checkpoints.append(float(entry["released_clock"]) - float(entry["clock"]))
             elif entry.get("event") == "restart":
                 restarts += 1
+            elif entry.get("event") == "finish" and isinstance(entry.get("idle_s"), int | float):
+                finishes.append(float(entry["idle_s"]))
         if summary.get("sync_interval_s"):
             intervals.add(float(summary["sync_interval_s"]))
         for entry in read_json_lines(site / "rounds.jsonl"):
@@ -191,7 +193,6 @@ def calibrate(run_dir: str | Path) -> Calibration:
         site_enter, site_leave = _edge_delays(site / HISTORY)
         enter += site_enter
         leave += site_leave
-        finishes += _finish(site / HISTORY)
     cal = Calibration(str(root), len(sites), federated_rounds=len(blocked))
     cal.window_edges = len(enter) + len(leave)
     if enter and leave:
@@ -283,22 +284,3 @@ def _edge_delays(path: Path) -> tuple[list[float], list[float]]:
                 leave.append(float(late))
         state = new
     return enter, leave
-
-
-def _finish(path: Path) -> list[float]:
-    """The clock seconds a site stayed IDLE after it noticed its last window close (a window's close,
-    above its threshold: not the run's end) to its last point, if it never trained again ([]
-    otherwise)."""
-    left, last, state = None, None, None
-    for point in read_json_lines(path):
-        if point.get("kind") != "point" or not isinstance(point.get("clock"), int | float):
-            continue
-        new, last = point.get("state"), float(point["clock"])
-        if new in TRAINING:
-            left = None
-        elif state in TRAINING and new == "IDLE":
-            intensity, threshold = point.get("intensity"), point.get("threshold")
-            closed = isinstance(intensity, int | float) and isinstance(threshold, int | float)
-            left = last if closed and intensity > threshold else None
-        state = new
-    return [] if left is None or last is None else [last - left]

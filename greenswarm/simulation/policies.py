@@ -163,6 +163,7 @@ class PolicyConfig:
                 parts.append(
                     f"releases its GPUs {when} at {e.released_kw:g} kW, "
                     f"restart {r.restart_s:g} s at train power, checkpoint {r.checkpoint_s:g} s at idle"
+                    + (f", finish {p.finish_s:g} s at idle after its last window" if p.finish_s else "")
                 )
         return ", ".join(parts)
 
