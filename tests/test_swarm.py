@@ -138,7 +138,11 @@ def test_three_sites_follow_their_windows_and_average(swarm: Swarm, tmp_path: Pa
     watch.stop()
     for record in listed:
         minute = _record_minute(record)
-        if abs(minute - 105) > 2:  # the state at a window's edge may lag by a training step
+        # the state at a window's edge may lag by a training step: at every edge the listing's span
+        # holds (WEST's close at 105, and EAST's opening at 60, which the span starts on). Only 105 was
+        # exempt until a soak beside two busy processes (docs/testing.md row 75) listed EAST's record
+        # written at minute 60.0003, as its window opened and before its node changed state: IDLE
+        if all(abs(minute - edge) > EDGE_MIN for window in WINDOWS_MIN.values() for edge in window):
             assert record["state"] == _expected_state(record["region"], minute), record
 
     # once every site has left its window for good (MID last, at minute 150, or when the round it was
