@@ -127,6 +127,7 @@ def test_a_coordinatewise_aggregate_may_pass_every_members_norm_but_not_their_su
         ({"aggregate": "median"}, "aggregate"),
         ({"trim": 0.5}, "trim"),
         ({"max_tokens_per_s": 0}, "max_tokens_per_s"),
+        ({"aggregate": "trimmed-mean", "max_group_size": 2}, "max_group_size"),  # (it needs three)
     ],
 )
 def test_aggregation_fields_are_checked_at_load(overrides: dict, field: str) -> None:

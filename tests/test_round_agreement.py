@@ -143,3 +143,22 @@ def test_a_lost_digest_still_leaves_a_majority(dhts: list) -> None:
     verdicts = _exchange(dhts, ["a" * 32] * 3, [True, True, False], timeout_s=3)
     assert [v.action for v in verdicts] == ["apply"] * 3
     assert "2/3 members reported" in verdicts[0].reason
+
+
+def test_under_the_trimmed_mean_a_pair_forms_no_group() -> None:
+    """Two sites under ``aggregate: trimmed-mean`` find no group (a pair would leave nothing out, and
+    an attacker paired with one honest site would set half its step: docs/testing.md row 76); each
+    says so and keeps what it sent. Three form one (the test above)."""
+    first = start_dht([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = start_dht([str(a) for a in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    cfg = AveragingConfig(wire="fp32", aggregate="trimmed-mean", **LOOPBACK_TIMEOUTS)
+    pair = [SwarmAverager(d, "trim-avg", NUMEL, cfg, lambda: ({}, [])) for d in (first, second)]
+    try:
+        deltas = [torch.full((NUMEL,), float(i + 1)) for i in range(2)]
+        outcomes = _round(pair, deltas, [1.0, 1.0], index=0)
+        assert all(o is not None and not o.ok for o in outcomes), [o and o.reason for o in outcomes]
+        assert all("could not find a group" in o.reason for o in outcomes), [o.reason for o in outcomes]
+        assert [d[0].item() for d in deltas] == [1.0, 2.0]  # (what each sent is its own, untouched)
+    finally:
+        for part in [*pair, second, first]:
+            part.shutdown()

@@ -114,7 +114,7 @@ class SwarmAverager(DecentralizedAverager):
             start=True,
             prefix=prefix,
             target_group_size=cfg.max_group_size,
-            min_group_size=2,
+            min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=cfg.request_timeout_s,
             # a backstop: greenswarm's own timeout (_aggregate_with_group) ends a round first, with a report.
@@ -185,7 +185,9 @@ class SwarmAverager(DecentralizedAverager):
                 "_configure_round",
                 wait_s=10.0,
                 bits=group_bits(lineage),
-                target=max(2, min(expected_size, self._cfg.max_group_size)),
+                # (a pair that reached its target would form below min_group_size: hivemind assembles a
+                # group at its target without asking the minimum)
+                target=max(self._cfg.min_group_size, min(expected_size, self._cfg.max_group_size)),
             )
             if self._faults.fires("poison-flip"):
                 log.warning(

@@ -110,6 +110,13 @@ class AveragingConfig:
     max_tokens_per_s: float | None = None
     weighting: Weighting = "tokens"
 
+    @property
+    def min_group_size(self) -> int:
+        """The least group a round forms: two, or three under the trimmed mean, whose smallest group
+        that leaves a value out at each end is three (its median). A pair would average an attacker in
+        at half the step (docs/testing.md row 76: a site starved into pairs with one)."""
+        return 3 if self.aggregate == "trimmed-mean" else 2
+
     def rules(self) -> dict[str, object]:
         """What every member of a group must configure alike (gathered and compared each round)."""
         return {
@@ -173,6 +180,12 @@ class AveragingConfig:
         if self.aggregate not in AGGREGATES:
             raise ConfigError(
                 f"must be one of {', '.join(AGGREGATES)}, got {self.aggregate!r}", field="aggregate"
+            )
+        if self.max_group_size < self.min_group_size:
+            raise ConfigError(
+                f"must be >= {self.min_group_size} with aggregate: {self.aggregate} (a smaller group "
+                f"leaves nothing out), got {self.max_group_size}",
+                field="max_group_size",
             )
         _positive(self.trim, "trim", allow_zero=True)
         if not self.trim < 0.5:
