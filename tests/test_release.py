@@ -407,6 +407,12 @@ def test_no_release_when_no_window_is_left(tmp_path: Path) -> None:
     r.finished(T0 + 5 * H + 120.0)
     (line,) = [e for e in read_json_lines(tmp_path / "run" / JOURNAL) if e["event"] == "finish"]
     assert line["idle_s"] == pytest.approx(120.0)
+    # planned after the round in flight and the window's checkpoint: the IDLE counts from leaving
+    late, _ = releaser(tmp_path / "late", "idle")
+    late.plan(T0 + 5 * H + 300.0, left=T0 + 5 * H)
+    late.finished(T0 + 5 * H + 400.0)
+    (line,) = [e for e in read_json_lines(tmp_path / "late" / "run" / JOURNAL) if e["event"] == "finish"]
+    assert line["idle_s"] == pytest.approx(400.0)
     held, _ = releaser(tmp_path / "held", "never")  # a site that holds to the end journals none
     held.plan(T0 + 5 * H)
     held.finished(T0 + 6 * H)

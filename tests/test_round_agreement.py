@@ -145,20 +145,26 @@ def test_a_lost_digest_still_leaves_a_majority(dhts: list) -> None:
     assert "2/3 members reported" in verdicts[0].reason
 
 
-def test_under_the_trimmed_mean_a_pair_forms_no_group() -> None:
+def test_under_the_trimmed_mean_a_pair_forms_no_group_and_three_do() -> None:
     """Two sites under ``aggregate: trimmed-mean`` find no group (a pair would leave nothing out, and
-    an attacker paired with one honest site would set half its step: docs/testing.md row 76); each
-    says so and keeps what it sent. Three form one (the test above)."""
+    an attacker paired with one honest site would set half its step: docs/testing.md row 76): each
+    says so, with no members and no all-reduce. Three form one and hold its median."""
     first = start_dht([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = start_dht([str(a) for a in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        start_dht([str(a) for a in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(2)
+    ]
     cfg = AveragingConfig(wire="fp32", aggregate="trimmed-mean", **LOOPBACK_TIMEOUTS)
-    pair = [SwarmAverager(d, "trim-avg", NUMEL, cfg, lambda: ({}, [])) for d in (first, second)]
+    made = [SwarmAverager(d, "trim-avg", NUMEL, cfg, lambda: ({}, [])) for d in dhts]
     try:
-        deltas = [torch.full((NUMEL,), float(i + 1)) for i in range(2)]
-        outcomes = _round(pair, deltas, [1.0, 1.0], index=0)
-        assert all(o is not None and not o.ok for o in outcomes), [o and o.reason for o in outcomes]
-        assert all("could not find a group" in o.reason for o in outcomes), [o.reason for o in outcomes]
-        assert [d[0].item() for d in deltas] == [1.0, 2.0]  # (what each sent is its own, untouched)
+        deltas = [torch.full((NUMEL,), float(i + 1)) for i in range(3)]
+        pair = _round(made[:2], deltas[:2], [1.0, 1.0], index=0)
+        assert all(o is not None and not o.ok for o in pair), [o and o.reason for o in pair]
+        assert all("could not find a group" in o.reason for o in pair), [o.reason for o in pair]
+        assert all(o.members == [] and o.allreduce_s is None for o in pair), pair
+        three = _round(made, deltas, [1.0, 1.0, 1.0], index=1)
+        assert all(o is not None and o.ok for o in three), [o and o.reason for o in three]
+        assert all(torch.equal(o.averaged, torch.full((NUMEL,), 2.0)) for o in three)  # the median
     finally:
-        for part in [*pair, second, first]:
+        for part in [*made, *reversed(dhts)]:
             part.shutdown()

@@ -54,3 +54,31 @@ def test_parts_are_held_to_their_senders_claim() -> None:
     assert "NaN/Inf" in screen_part(torch.tensor([1.0, float("nan")]), claimed_norm=None)
     assert within_claims(torch.ones(4), [2.0, 1.0]) is None  # norm 2: an average of these can be
     assert "a reducer returned a poisoned part" in within_claims(torch.ones(4) * 3, [2.0, 1.0])
+
+
+def test_under_the_trimmed_mean_a_group_left_with_two_updates_is_refused_by_every_member() -> None:
+    """hivemind's minimum group is a leader's rule: a leader that assembles a pair, or a group of three
+    whose screening refuses one, would leave the trimmed mean two values, a plain mean. Every member
+    computes the same admitted set from the same claims, so each refuses the round alike; under the
+    mean the two are averaged as before."""
+    from types import SimpleNamespace
+
+    from greenswarm.averaging.averager import SwarmAverager
+    from greenswarm.averaging.config import AveragingConfig
+    from greenswarm.averaging.round_report import RoundReport
+
+    claims = _claims(a=1.0, b=1.2, p=1000.0)  # p's update is refused by the norm screen
+    users = list(claims.items())
+    group = SimpleNamespace(peer_ids=[])  # (the return value's peers: not reached, or not read here)
+    for aggregate, fails in (("trimmed-mean", True), ("mean", False)):
+        me = SimpleNamespace(
+            _cfg=AveragingConfig(aggregate=aggregate, max_norm_ratio=10), peer_id="a", _rates={}
+        )
+        report = RoundReport()
+        if fails:
+            with pytest.raises(ValueError, match="2 of the group's updates would count"):
+                SwarmAverager._screened(me, group, users, [1 / 3] * 3, report)  # type: ignore[arg-type]
+            assert "trimmed-mean needs 3" in report.refusal
+        else:
+            SwarmAverager._screened(me, group, users, [1 / 3] * 3, report)  # type: ignore[arg-type]
+            assert report.refusal == ""

@@ -466,6 +466,13 @@ class SwarmAverager(DecentralizedAverager):
         if not sum(kept):
             raise ValueError("no member is left to reduce the group's parts")
         admitted = {peer: claims[peer] for peer in peers if peer not in refused}
+        trimmed = self._cfg.aggregate == "trimmed-mean"
+        if trimmed and len(admitted) < self._cfg.min_group_size:  # (hivemind's minimum: a leader's only)
+            report.refusal = (
+                f"{len(admitted)} of the group's updates would count, and {self._cfg.aggregate} needs "
+                f"{self._cfg.min_group_size}: a pair leaves nothing out (every member fails it alike)"
+            )
+            raise ValueError(report.refusal)
         rules = claims.get(me, {}).get("rules") if isinstance(claims.get(me), dict) else None
         rules = rules if isinstance(rules, dict) else {}  # (alike in every member: see check_rules)
         weights, clipped = bounded_weights(admitted, rules, float(rules.get("interval_s", 0.0)), self._rates)

@@ -162,7 +162,7 @@ class Releaser:
         ][-RECENT_RESTARTS:]
         return statistics.median(measured) if measured else self.cfg.release.restart_s
 
-    def plan(self, now: float, after_window: bool = True) -> None:
+    def plan(self, now: float, after_window: bool = True, left: float | None = None) -> None:
         """The site is outside a window (it has just left one; or, ``after_window`` False, it started
         outside one): decide how long to hold before releasing, and say why -- a gap that does not
         follow a window as ``auto`` decides it. With no window left before the run ends, the trainer
@@ -175,7 +175,9 @@ class Releaser:
         nxt = self.schedule.next_window(now)
         ends = self.cfg.node.stop_at_trace_end or math.isfinite(self.stop_at)
         if static and ends and (nxt is None or nxt.start >= self.stop_at):
-            self.finishing, self.finishing_since = True, now
+            # (from when it left the window, ``left``: its ledger books IDLE from there, the round in
+            # flight and the window's checkpoint included)
+            self.finishing, self.finishing_since = True, now if left is None else min(left, now)
             self.log.info("release: no window is left before the run ends: the trainer finishes now")
             return
         trace, region = self.schedule.trace, self.cfg.region  # (a live signal's: what it observed)

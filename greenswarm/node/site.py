@@ -238,7 +238,7 @@ class SiteNode:
                 self._save_and_release("its window closed")
                 after = self.clock.now()  # (the round in flight may have taken seconds)
                 if self.schedule.current(after) is None:  # (else the next window is here: no plan)
-                    self.releaser.plan(after)
+                    self.releaser.plan(after, left=now)
             self._report(force=True)
         self._window = window
         return self.state
