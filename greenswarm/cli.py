@@ -559,7 +559,13 @@ def _trace_options(args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from greenswarm.procs import interrupt_on_termination, reap_children, setup_logging, stacks_on_request
+    from greenswarm.procs import (
+        interrupt_on_termination,
+        reap_children,
+        settle_stops,
+        setup_logging,
+        stacks_on_request,
+    )
 
     setup_logging(args.verbose)
     stacks_on_request()
@@ -576,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # what a shell reports for a command ended by SIGPIPE
     finally:
         reap_children()  # whatever a command started (a DHT process, p2pd, site nodes) ends with it
+        if argv is None:  # the program itself, not a caller in its own process: its status is decided,
+            settle_stops()  # and a stop during the interpreter's exit must not turn it into -15
 
 
 def _silence_stdout() -> None:
