@@ -326,14 +326,14 @@ class Head:
 
 
 class FakeView:
-    def __init__(self, head: Head | None):
-        self._head = head
+    def __init__(self, head: Head | None, holders: tuple[str, ...] = (B,)):
+        self._head, self.holders = head, list(holders)
 
     def head(self, in_window_only: bool = False) -> Head | None:
         return self._head
 
     def holders_of(self, outer_round: int, lineage: str) -> list[str]:
-        return [B]
+        return self.holders
 
 
 def test_catch_up_keeps_local_progress_on_top_of_the_adopted_state() -> None:
@@ -374,6 +374,50 @@ def test_between_rounds_a_state_that_ranks_above_is_taken_once_and_retried_later
     assert not sync.heal_due(other, now=t + 2 * HEAL_RETRY_S - 0.1)
     assert sync.heal_due(other, now=t + 2 * HEAL_RETRY_S + 0.1)
     assert sync.heal_due(FakeView(Head("b", 1, GENESIS)), now=t + 2 * HEAL_RETRY_S + 0.2)
+
+
+def test_a_new_holder_of_the_state_is_tried_at_once() -> None:
+    """A released site's presence comes up seconds after its trainer ended, whose last record (its
+    address gone) lives out its ttl beside the presence's: a site whose catch-up failed on that record
+    alone must not wait out the backoff once the presence serves the same state (it trained on alone
+    and stepped past it: docs/testing.md row 79); a holder that leaves is no new chance."""
+    state, ranks = global_state(1.0), FakeRanks(torch.ones(N))
+    sync = StateSync(state, ranks, lambda peers: None, threading.Event(), 1)
+    ended = FakeView(Head("a", 5, "x", peer_id="ended"), holders=("ended",))
+    assert sync.heal_due(ended, now=100.0)  # (its download failed)
+    assert not sync.heal_due(ended, now=101.0)
+    ended.holders = ["presence", "ended"]
+    assert sync.heal_due(ended, now=101.5)  # a new holder: at once
+    assert not sync.heal_due(ended, now=102.0)
+    ended.holders = ["presence"]  # the ended trainer's record expired: nothing new to try
+    assert not sync.heal_due(ended, now=102.5)
+
+
+def test_the_freshest_holder_is_tried_first() -> None:
+    """A download tries the holders in turn: the one whose record was written last comes first (an
+    ended trainer's last record is older than its presence's, refreshed every few seconds)."""
+    from types import SimpleNamespace
+
+    from greenswarm.node.progress import ProgressRecord
+    from greenswarm.node.swarm_view import SwarmView
+
+    def record(peer: str, outer_round: int, lineage: str, wall_time: float) -> SimpleNamespace:
+        fields = dict(
+            site="a", region="A", state="RELEASED", peer_id=peer, outer_round=outer_round, lineage=lineage,
+            round_index=0, local_steps=0, tokens=0, loss=None, window_end=None, energy_kwh=0.0,
+            emissions_g=0.0, clock_time=0.0, wall_time=wall_time,
+        )  # fmt: skip
+        return SimpleNamespace(value=ProgressRecord(**fields).to_wire())
+
+    # (records come back sorted by site, then peer id: "ended" before "presence")
+    stored = [record("ended", 5, "x", 10.0), record("presence", 5, "x", 30.0), record("other", 4, "y", 40.0)]
+    dht = SimpleNamespace(get=lambda key, latest=False: SimpleNamespace(value=dict(enumerate(stored))))
+    view = SwarmView(dht, "s", ME, poll_s=3600.0)
+    try:
+        view.poll_now()
+        assert view.holders_of(5, "x") == ["presence", "ended"]
+    finally:
+        view.close()
 
 
 def test_adopt_refuses_a_state_of_the_wrong_shape(caplog: pytest.LogCaptureFixture) -> None:

@@ -123,8 +123,8 @@ class StateSync:
         self.state, self.ranks, self.download = state, ranks, download
         self.verify = verify  # None: a served state is taken as it is (an open swarm's choice)
         self.refused: dict[str, str] = {}  # peer -> why the last state it served was refused
-        # the head heal_due last answered for, when, and how many times in a row
-        self._healing: tuple[tuple[str, int, str], float, int] | None = None
+        # the head's state heal_due last answered for, its holders then, when, and how many times in a row
+        self._healing: tuple[tuple[int, str], frozenset[str], float, int] | None = None
         self.stop, self.timeout_s, self.retry_s = stop, timeout_s, retry_s
         self.log = log or logging.getLogger(__name__)
         # rounds this site averaged in but did not apply, oldest first (a lineage is a chain, so an
@@ -201,19 +201,23 @@ class StateSync:
         site alone in its window looks too: a released site's presence may hold a state ahead of its
         own, which its catch-up on entering could not download (a peer's daemon refuses to dial an
         address that just failed for a while). A failed download is tried again after
-        :data:`HEAL_RETRY_S`, then twice as long each time (``now``: the monotonic clock's reading, for
-        a test)."""
+        :data:`HEAL_RETRY_S`, then twice as long each time, or at once when a peer that holds the
+        state appears (a released site's presence comes up seconds after its trainer ended, and the
+        ended trainer's last record, whose address no longer answers, lives out its ttl beside it; a
+        site that waited out the backoff there trained on alone and stepped past the presence's state:
+        docs/testing.md row 79). ``now``: the monotonic clock's reading, for a test."""
         head = view.head(in_window_only=in_window_only)
         if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
             return False
-        seen = (head.peer_id, head.outer_round, head.lineage)
+        state = (head.outer_round, head.lineage)
+        holders = frozenset(view.holders_of(*state))
         now = time.monotonic() if now is None else now
         tries = 0
-        if self._healing is not None and self._healing[0] == seen:
-            _, last, tries = self._healing
+        if self._healing is not None and self._healing[0] == state and holders <= self._healing[1]:
+            _, _, last, tries = self._healing
             if now < last + min(HEAL_RETRY_S * 2 ** (tries - 1), HEAL_RETRY_MAX_S):
                 return False
-        self._healing = (seen, now, tries + 1)
+        self._healing = (state, holders, now, tries + 1)
         return True
 
     def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:

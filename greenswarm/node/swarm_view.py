@@ -114,8 +114,11 @@ class SwarmView:
         return max(candidates, key=lambda r: state_key(r.outer_round, r.lineage), default=None)
 
     def holders_of(self, outer_round: int, lineage: str) -> list[str]:
-        """Peer ids of other live sites holding exactly this global state (download sources)."""
-        return [r.peer_id for r in self.others() if (r.outer_round, r.lineage) == (outer_round, lineage)]
+        """Peer ids of other live sites holding exactly this global state (download sources), the
+        freshest record first: the likeliest to answer (a released site's ended trainer leaves its last
+        record to live out its ttl beside its presence's, and a download tries the holders in turn)."""
+        holders = [r for r in self.others() if (r.outer_round, r.lineage) == (outer_round, lineage)]
+        return [r.peer_id for r in sorted(holders, key=lambda r: r.wall_time, reverse=True)]
 
     def close(self) -> None:
         self._stop.set()
