@@ -37,6 +37,8 @@ SITES = ("site-0", "site-1", "site-2")
 ACTIONS = ("apply", "resync", "fail", "solo")  # what a round log entry says a round did
 SPEEDUP, SYNC_S = 300.0, 600.0  # a round every 2 wall seconds
 ARM_TIMEOUT_S = 150.0  # a (re)started site must average with the others within this: start-up included
+#: the files a finished checkpoint write leaves (``checkpoint.pt.tmp`` is one under way)
+CHECKPOINT_FILES = ("checkpoint.pt", "checkpoint.prev.pt")
 # the trace's length: longer than a campaign may take (run()'s 240 s, then finish() waits up to
 # ARM_TIMEOUT_S after the last restart), so sites are stopped by finish() and never by the trace's end.
 # At 24 h (288 wall s) a site restarted late on a loaded machine (restarts then took ~60 s) reached
@@ -116,6 +118,11 @@ def inspect_checkpoints(run_dir: Path) -> tuple[dict[str, str], int | None, bool
     tensors = [*payload["outer"], *payload["trainer"]["model"].values()]
     nan = any(not torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point())
     return states, int(payload["site"]["outer_round"]), nan
+
+
+def _had_checkpoint(result: FaultResult) -> bool:
+    """Whether the dead site had completed a checkpoint (``checkpoint.pt`` or ``checkpoint.prev.pt``)."""
+    return any(result.checkpoint.get(name, "missing") != "missing" for name in CHECKPOINT_FILES)
 
 
 def _session_alive(pid: int, grace_s: float = 3.0) -> int:
@@ -324,7 +331,12 @@ class Campaign:
             "fired": sum(r.fired for r in self.results),
             "damaged_checkpoints": sum(s == "damaged" for r in self.results for s in r.checkpoint.values()),
             "torn_writes": sum(s == "torn" for r in self.results for s in r.checkpoint.values()),
-            "unrecoverable": sum(r.resumed_outer_round is None for r in self.results),
+            # a site killed before its first checkpoint was complete (both files missing: the writer
+            # renames a finished file into place and never deletes one) starts fresh, as it must, and
+            # takes the swarm's state; seen beside two busy processes, where an overlapped site's first
+            # background write was still under way at its second all-reduce (docs/testing.md row 80)
+            "unrecoverable": sum(r.resumed_outer_round is None and _had_checkpoint(r) for r in self.results),
+            "fresh_starts": sum(not _had_checkpoint(r) for r in self.results),
             "resumed_otherwise": sum(r.resumed_as_saved is False for r in self.results),
             "nan": sum(r.nan for r in self.results),
             "left_processes": sum(r.left_processes for r in self.results),
@@ -345,7 +357,10 @@ class Campaign:
         for (site, spawned, pid), result in zip(self.restarts, self.results, strict=False):
             name = next(n for n, p in self.swarm.procs.items() if p.pid == pid)
             resumed = re.search(r"resumed from \S+: outer step (\d+)", self.swarm.log(name))
-            result.resumed_as_saved = bool(resumed) and int(resumed.group(1)) == result.resumed_outer_round
+            if resumed:
+                result.resumed_as_saved = int(resumed.group(1)) == result.resumed_outer_round
+            else:  # (a site with no complete checkpoint resumes nothing: it starts fresh)
+                result.resumed_as_saved = result.resumed_outer_round is None
             back = [e for e in rounds[site] if e["pid"] == pid and e["action"] in ("apply", "resync")]
             first = next((e for e in back if len(e["members"]) > 1), None)
             if first is not None:
