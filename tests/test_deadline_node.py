@@ -29,6 +29,12 @@ pytestmark = [pytest.mark.deadline, pytest.mark.swarm, pytest.mark.shared]
 SITES = {"gb": ("GB", "GB_2023_hourly.csv"), "de": ("DE", "DE-LU_2023_hourly.csv")}
 START, HOURS, WORK_H = "2023-06-01T00:00:00Z", 48.0, 10.0
 SPEEDUP = 3600.0
+#: the as-simulated test compares hours the node trained with the simulator's, which trains exactly its
+#: planned hours; a node notices a planned hour's end between its steps, and at 3600x a step beside the
+#: suite's other workers (0.2-0.5 wall s) is 12-30 trace minutes: its stretches ended 7-52 minutes late,
+#: and its trained hours (10.52 against 10 +- 0.5) or its emissions (+6.1 % against 5 %) measured that
+#: lag (docs/testing.md row 83). At 1800x a step is half as long in the trace (the test ~40 s longer)
+SIM_SPEEDUP = 1800.0
 
 
 def test_sites_finish_their_work_by_the_deadline_as_simulated(swarm: Swarm, tmp_path: Path) -> None:
@@ -39,7 +45,7 @@ def test_sites_finish_their_work_by_the_deadline_as_simulated(swarm: Swarm, tmp_
     for name, (region, file) in SITES.items():
         trace = shared_path(f"traces/electricitymaps-2023/{file}")
         cfg = site_config(
-            name, region, trace, peers, tmp_path / name, speedup=SPEEDUP, start_file=start_file,
+            name, region, trace, peers, tmp_path / name, speedup=SIM_SPEEDUP, start_file=start_file,
             sync_s=6 * 3600.0,
             scheduler={
                 "policy": "deadline", "deadline": deadline, "work_hours": WORK_H, "forecast": "profile",
@@ -49,9 +55,9 @@ def test_sites_finish_their_work_by_the_deadline_as_simulated(swarm: Swarm, tmp_
         )  # fmt: skip
         cfg["scheduler"]["clock"]["start"] = START
         swarm.node(name, swarm.write_config(name, cfg))
-    swarm.start_replay(list(SITES), start_file, lead_s=0.05)  # (at 3600x, 0.5 s of lead is 30 min idle)
+    swarm.start_replay(list(SITES), start_file, lead_s=0.05)  # (at 1800x, 0.5 s of lead is 15 min idle)
     for name in SITES:
-        assert swarm.wait(name, timeout=HOURS * 3600.0 / SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
+        assert swarm.wait(name, timeout=HOURS * 3600.0 / SIM_SPEEDUP + 120) == 0, swarm.log(name)[-3000:]
 
     for name, (region, file) in SITES.items():
         log = swarm.log(name)
