@@ -209,15 +209,15 @@ class StateSync:
         head = view.head(in_window_only=in_window_only)
         if head is None or state_key(head.outer_round, head.lineage) <= self.state.key():
             return False
-        state = (head.outer_round, head.lineage)
-        holders = frozenset(view.holders_of(*state))
+        seen = (head.outer_round, head.lineage)  # (a state, not this site's self.state)
+        holders = frozenset(view.holders_of(*seen))
         now = time.monotonic() if now is None else now
         tries = 0
-        if self._healing is not None and self._healing[0] == state and holders <= self._healing[1]:
+        if self._healing is not None and self._healing[0] == seen and holders <= self._healing[1]:
             _, _, last, tries = self._healing
             if now < last + min(HEAL_RETRY_S * 2 ** (tries - 1), HEAL_RETRY_MAX_S):
                 return False
-        self._healing = (state, holders, now, tries + 1)
+        self._healing = (seen, holders, now, tries + 1)
         return True
 
     def resync(self, result: Resync, on_top: torch.Tensor | None = None) -> bool:
