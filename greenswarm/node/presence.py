@@ -40,7 +40,7 @@ from greenswarm.node.progress import ProgressRecord
 from greenswarm.node.releasing import MARKER
 from greenswarm.node.round_log import RoundLog
 from greenswarm.node.site_stats import SiteStats
-from greenswarm.procs import exit_with_parent, on_termination, set_process_name
+from greenswarm.procs import Terminated, exit_with_parent, on_termination, reap_children, set_process_name
 from greenswarm.scheduler.energy import EnergyLedger, make_power_model
 from greenswarm.scheduler.live import LiveSchedule
 from greenswarm.scheduler.policy import WindowSchedule
@@ -144,11 +144,29 @@ def run_presence(cfg: SiteConfig) -> int:
     state.adopt(payload["site"], payload["outer"])
     served = _serve_metrics(cfg, payload, state)
     del payload  # (the trainer's part, model and optimizer, is not served: only the global state)
-    stop = threading.Event()
-    on_termination(stop.set)
+    stop, joining = threading.Event(), threading.Event()
+
+    def leave() -> None:
+        stop.set()
+        if joining.is_set():  # still starting: leave now, as a command's stop does (see below)
+            raise Terminated("stopped while joining the swarm")
+
+    joining.set()
+    on_termination(leave)
     exit_with_parent(on_orphaned=stop.set)  # an agent killed outright must not leave it standing in
     try:
         swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
+        joining.clear()
+    except Terminated:
+        # the window opened while the swarm's start (p2pd, the DHT's bootstrap: seconds on a loaded
+        # machine) was under way: the agent forks the trainer only once this process has ended, so
+        # finishing the start first took seconds out of the window (docs/testing.md row 84)
+        log.info("presence: the window opened while it was joining the swarm: leaving at once")
+        _close_metrics(served)
+        # the DHT process and its p2pd, however far their start got; the DHT process ignores SIGTERM
+        # (its owner shuts it down: procs.on_termination), so it is killed after the short wait
+        reap_children(timeout=0.2)
+        return 0
     except BaseException:
         _close_metrics(served)
         raise

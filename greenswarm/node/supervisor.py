@@ -38,7 +38,7 @@ log = logging.getLogger("greenswarm.supervisor")
 PR_SET_CHILD_SUBREAPER = 36
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to the node
 #: seconds a released site's presence gets to leave the swarm when the window opens before it is
-#: killed (it holds nothing that must be saved; a presence still joining ignores the stop)
+#: killed (it holds nothing that must be saved; a presence still joining the swarm leaves at once)
 PRESENCE_STOP_S = 5.0
 
 
