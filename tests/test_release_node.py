@@ -155,13 +155,15 @@ def test_a_site_releases_between_windows_and_resumes_the_same_state(swarm: Swarm
                "the trainer of a killed agent to stop")  # fmt: skip
 
 
-#: two sites whose windows overlap in the first half hour and from 3 h to 4.5 h (federated there,
+#: two sites whose windows overlap in the first half hour and from 3 h to 5.5 h (federated there,
 #: alone elsewhere); B restarts at 1.5 h while A is released, A at 3 h: B's trainer has 15 wall s to
 #: come up and catch up from A's presence (the 5 s it had left no room for a slow start beside the
-#: suite's other workers: docs/testing.md row 79)
+#: suite's other workers: docs/testing.md row 79), and A's window after its restart is 25 wall s: a
+#: restart took 15 s of it beside the suite's other workers, and the 15 s it had left the two sites
+#: no round together (row 85)
 PAIR = {
-    "A": [50.0] * 4 + [300.0] * 8 + [50.0] * 6 + [300.0] * 2,
-    "B": [50.0] * 2 + [300.0] * 4 + [50.0] * 12 + [300.0] * 2,
+    "A": [50.0] * 4 + [300.0] * 8 + [50.0] * 10 + [300.0] * 2,
+    "B": [50.0] * 2 + [300.0] * 4 + [50.0] * 16 + [300.0] * 2,
 }
 A_RESTART_H = 3
 HOURS = len(PAIR["A"]) / 4
