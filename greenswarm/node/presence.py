@@ -158,10 +158,11 @@ def run_presence(cfg: SiteConfig) -> int:
         swarm, _ = join_swarm(cfg, outer.numel, state.served, FaultPlan(), log, identity)
         joining.clear()
     except Terminated:
-        # the window opened while the swarm's start (p2pd, the DHT's bootstrap: seconds on a loaded
-        # machine) was under way: the agent forks the trainer only once this process has ended, so
-        # finishing the start first took seconds out of the window (docs/testing.md row 84)
-        log.info("presence: the window opened while it was joining the swarm: leaving at once")
+        # the agent's stop (the window opened, or the operator's stop) came while the swarm's start
+        # (p2pd, the DHT's bootstrap: seconds on a loaded machine) was under way: the agent forks the
+        # trainer only once this process has ended, so finishing the start first took seconds out of
+        # the window (docs/testing.md row 84)
+        log.info("presence: stopped while it was joining the swarm: leaving at once")
         _close_metrics(served)
         # the DHT process and its p2pd, however far their start got; the DHT process ignores SIGTERM
         # (its owner shuts it down: procs.on_termination), so it is killed after the short wait
