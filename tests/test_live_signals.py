@@ -366,6 +366,35 @@ def test_outage_is_one_line_and_the_policy_holds(
     assert [r.getMessage() for r in caplog.records if "back after" in r.getMessage()]
 
 
+def test_a_slow_answer_to_an_early_ask_is_no_missing_sample(httpserver: HTTPServer, env: None) -> None:
+    """A new sample is due an interval and a poll after the last: the feed is judged by when it was
+    asked, not when its answer came. Asked a second before the next sample, answered after it was due
+    (a slow feed, a loaded machine), the answer rightly holds nothing new; asked once it was due, it
+    must hold it."""
+    trace = _hourly([40.0] * 10)
+    clock = FakeClock(float(trace.times[2]) + 60)
+    api = ReplayedApi(httpserver, trace, ZONE, clock.now)
+    source = _em(api)
+    read, slow_by, held = source.read, [0.0], [None]
+
+    def slowly(since: float | None, now: float) -> object:
+        reading = held[0] or read(since, now)
+        clock.t += slow_by[0]  # the answer comes this much later than the ask
+        held[0] = held[0] or reading  # (the answer that follows is this one again: nothing new)
+        return reading
+
+    source.read = slowly  # type: ignore[method-assign]
+    feed = LiveFeed(source, clock.now, 300.0, logging.getLogger("test.slow"))
+    assert feed.poll() and feed.observed().times[-1] == trace.times[2]
+    held[0] = None
+    clock.t, slow_by[0] = float(trace.times[3]) - 1, 600.0  # the answer comes at +599 s, due at +300 s
+    assert feed.poll() and feed.failing is None
+    assert feed.observed().times[-1] == trace.times[2]
+    clock.t, slow_by[0] = float(trace.times[3]) + 400, 0.0  # asked after it was due: the same answer
+    assert held[0] is not None  # is a missing sample
+    assert not feed.poll() and feed.failing == "no new data"
+
+
 def test_rate_limit_is_retried_after_the_time_the_server_asks(httpserver: HTTPServer, env: None) -> None:
     trace = _hourly([40.0] * 5)
     clock = FakeClock(float(trace.times[2]))

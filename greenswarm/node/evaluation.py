@@ -62,6 +62,14 @@ class EvalConfig:
     least that many outer steps passed since the last evaluation. ``keep_best``: keep the checkpoints
     of the k lowest losses in ``run_dir/best`` (needs ``batches > 0``; 0 keeps none).
 
+    ``max_share``: the most of the wall time the *background* measurement may take. After a measurement
+    of ``s`` seconds the next one waits until ``s * (1 - max_share) / max_share`` seconds have passed
+    (the newest state waiting is measured then), so a site whose measurements grow slow -- a loaded
+    machine, rounds faster than a forward pass over the held-out set -- trains instead of measuring
+    without pause: the measurement shares rank 0's cores or GPU with training. 1 measures whenever a
+    state is waiting. The loop's own measurements (``keep_best``, no ``background``, the end of a run)
+    are never held back: they are what the loop waits for.
+
     What is measured is the *global* model (:mod:`~greenswarm.node.global_eval`), on a copy of its own
     on rank 0: ``device`` ``auto`` puts it where rank 0 trains, ``cpu`` on the CPU (a GPU short of
     memory for one more unsharded copy). ``background``: measure beside training, on a thread of its
@@ -77,6 +85,7 @@ class EvalConfig:
     keep_best: int = 0
     background: bool = True
     device: str = "auto"
+    max_share: float = 0.25
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +99,10 @@ class EvalConfig:
         for name in ("batch_size", "every_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field=name)
+        if not 0 < self.max_share <= 1:
+            raise ConfigError(
+                f"must be in (0, 1] (a share of the wall time), got {self.max_share}", field="max_share"
+            )
         if self.shard_index < -1:
             raise ConfigError(
                 f"must be >= 0 (or -1: the last shard), got {self.shard_index}", field="shard_index"

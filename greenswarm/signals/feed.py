@@ -140,13 +140,12 @@ class LiveFeed:
 
     def poll(self) -> bool:
         """Read the source once; whether it answered with usable data. Never raises."""
-        now = self.now()
+        asked = self.now()
         self.stats.polls += 1
         since = None if self._observed.empty else float(self._observed.times[-1])
         try:
-            reading = self.source.read(since, now)
-            # judged at the time the answer came: a slow one may carry samples stamped after the ask
-            problem = self._accept(reading, max(now, self.now()))
+            reading = self.source.read(since, asked)
+            problem = self._accept(reading, asked, max(asked, self.now()))
         except FeedError as err:
             self._next_wait_s = err.retry_after_s
             self._failed(err.kind, str(err))
@@ -172,8 +171,14 @@ class LiveFeed:
             self.log.info("signal %s: forecast back", self.source.name)
         self._forecast_trouble = None if err is None else err.kind
 
-    def _accept(self, reading: Reading, now: float) -> tuple[str, str] | None:
-        """Merge a reading into what was observed; the (kind, message) of a problem with it, if any."""
+    def _accept(self, reading: Reading, asked: float, now: float) -> tuple[str, str] | None:
+        """Merge a reading into what was observed; the (kind, message) of a problem with it, if any.
+
+        Its samples are judged at ``now``, when the answer came: a slow one may carry samples stamped
+        after the ask. Whether a new sample was due, at ``asked``: the feed answered with what it had
+        somewhere between the two, so a slow answer to an ask made before the next sample was due is
+        no missing sample (on a loaded machine a replay at 1,800x called one so: an ask just before
+        the sample, answered more than a poll, 0.17 wall s, later; row 87 of docs/testing.md)."""
         times, values = np.asarray(reading.times, np.float64), np.asarray(reading.values, np.float64)
         problems: list[tuple[str, str]] = []
         good = np.isfinite(values) & (values >= 0) & np.isfinite(times)
@@ -221,7 +226,7 @@ class LiveFeed:
                 self._observed = Observed(
                     _frozen(all_t[first:]), _frozen(all_v[first:]), resolution, forecast, old.version + 1
                 )
-        if not problems and not fresh.any() and now >= old.covered_until + self.poll_s:
+        if not problems and not fresh.any() and asked >= old.covered_until + self.poll_s:
             if self._observed.empty:
                 problems.append(("empty", "no samples yet"))
             else:  # the feed answers, but with nothing after the sample it gave an interval and a poll ago
