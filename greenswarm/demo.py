@@ -116,8 +116,8 @@ def _site_config(
         },
         "train": {"batch_size": 8, "micro_batch_size": 8, "threads": 1, "lr": 1e-3, "warmup_steps": 20},
         # the global model's held-out loss (on the held-out shard, 8 x 8 x 128 tokens) after every outer
-        # step, beside training (at most eval.max_share of the time), and at the end: what the closing
-        # table and report.json show
+        # step (further apart where that takes over eval.max_share of the time), beside training, and at
+        # the end: what the closing table and report.json show
         "eval": {"batches": EVAL_BATCHES, "batch_size": 8},
         "scheduler": {
             "trace": trace_spec,

@@ -16,7 +16,7 @@ from greenswarm.node.checkpoint import Checkpointer
 from greenswarm.node.config import TrainConfig, load_site_config
 from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
-from greenswarm.node.evaluation import BestCheckpoints, EvalConfig, HeldOut, shards_overlap
+from greenswarm.node.evaluation import BestCheckpoints, EvalConfig, HeldOut, MeasurePace, shards_overlap
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.trainer import InnerTrainer
 
@@ -149,6 +149,44 @@ def test_evaluates_every_n_rounds(tmp_path: Path) -> None:
         best.after_step(step, "x", lambda step=step: calls.append(step) or 1.0)
     assert calls == [1, 4, 9, 12]
     assert not (tmp_path / "best").exists()  # keep_best = 0: evaluation only
+
+
+def test_slow_measurements_go_further_apart_within_their_share() -> None:
+    """``eval.max_share``: the least power of two of ``every_rounds`` at which a measurement of the newest
+    length takes at most that share of the outer steps' wall time; up and down as it changes."""
+    now = [0.0]
+    pace = MeasurePace(every_rounds=1, max_share=0.25, clock=lambda: now[0])
+    pace.measured(100.0)  # (no outer steps timed yet: nothing to compare with)
+    assert pace.factor == 1
+    for t in (0.0, 3.0, 6.0):  # an outer step every 3 s
+        now[0] = t
+        pace.landed()
+    expected = {0.5: 1, 0.75: 1, 0.76: 2, 5.0: 8, 2.0: 4, 0.1: 1}  # seconds -> factor: share x 3 s = 0.75
+    for seconds, factor in expected.items():
+        pace.measured(seconds)
+        assert pace.factor == factor, seconds
+    slow = MeasurePace(every_rounds=3, max_share=0.5, clock=lambda: now[0])
+    for t in (0.0, 1.0):
+        now[0] = t
+        slow.landed()
+    slow.measured(3.0)  # 3 s a measurement, 1.5 s of share per every_rounds (3) steps: twice as far
+    assert (slow.factor, slow.stride) == (2, 6)
+
+
+def test_sites_at_different_paces_measure_the_same_global_models(tmp_path: Path) -> None:
+    """Paced, a site measures the multiples of its stride (and a step a jump took it past one to), so
+    a site measuring every 4th outer step measures models that one measuring every 2nd does too."""
+    measured: dict[int, list[int]] = {}
+    for factor in (1, 2, 4):
+        best = BestCheckpoints(EvalConfig(batches=1), Checkpointer(tmp_path / str(factor)))
+        calls = measured.setdefault(factor, [])
+        for step in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16):
+            best.pace.factor = factor
+            best.after_step(step, "x", lambda step=step, calls=calls: calls.append(step) or 1.0)
+    assert measured[1] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16]
+    assert measured[2] == [1, 2, 4, 6, 8, 13, 14, 16]  # (13: a jump over 10 and 12)
+    assert measured[4] == [1, 4, 8, 13, 16]
+    assert set(measured[4]) <= set(measured[2]) <= set(measured[1])
 
 
 def test_off_by_default(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from greenswarm.node.config import TrainConfig, load_site_config
 from greenswarm.node.data import DataConfig
 from greenswarm.node.distributed import World
 from greenswarm.node.evaluation import EvalConfig, HeldOut
-from greenswarm.node.global_eval import EVALS_FILE, GlobalEvaluator, Snapshot, rest_after
+from greenswarm.node.global_eval import EVALS_FILE, GlobalEvaluator, Snapshot
 from greenswarm.node.model import ModelConfig
 from greenswarm.node.progress import ProgressRecord
 from greenswarm.node.progress_view import progress_table
@@ -128,66 +127,6 @@ def test_a_slow_evaluation_measures_the_newest_state_and_a_failure_is_said(
         evaluator.submit(_snapshot(flat, outer_round=6))
         assert evaluator.drain(timeout=60)
         assert [e.outer_round for e in evaluator.finished()] == [6]
-    finally:
-        evaluator.close()
-
-
-def _slowed(evaluator: GlobalEvaluator, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
-    """Make each of ``evaluator``'s measurements take at least 0.3 s; the (began, ended) of each."""
-    spans: list[tuple[float, float]] = []
-    real = evaluator.loss_of
-
-    def slow(values: torch.Tensor) -> tuple[float, int]:
-        began = time.monotonic()
-        time.sleep(0.3)
-        result = real(values)
-        spans.append((began, time.monotonic()))
-        return result
-
-    monkeypatch.setattr(evaluator, "loss_of", slow)
-    return spans
-
-
-def test_measuring_beside_training_takes_at_most_its_share_of_the_time(
-    trainer: InnerTrainer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``eval.max_share``: after a measurement of s seconds the next one waits s * (1 - share) / share,
-    and measures the newest state waiting then (lower bounds only: a loaded machine lengthens them)."""
-    assert rest_after(1.0, 0.25) == pytest.approx(3.0) and rest_after(2.0, 1.0) == 0.0
-    evaluator = _evaluator(trainer, background=True, max_share=0.5)
-    spans, flat = _slowed(evaluator, monkeypatch), trainer.full_parameters()
-    try:
-        evaluator.submit(_snapshot(flat, outer_round=1))
-        assert evaluator.drain(timeout=60)
-        for step in (2, 3):  # both wait out the rest: only the newer is measured
-            evaluator.submit(_snapshot(flat, outer_round=step))
-        assert evaluator.drain(timeout=60)
-        assert [e.outer_round for e in evaluator.finished()] == [1, 3]
-        (_, first_ended), (second_began, _) = spans
-        assert second_began - first_ended >= 0.3  # its rest: at least the measurement's own length
-    finally:
-        evaluator.close()
-
-
-def test_what_the_loop_waits_for_is_measured_without_the_rest(
-    trainer: InnerTrainer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The loop's own measurements never wait out ``eval.max_share``'s rest: one it waits for (``now``,
-    a sharded site), and the end of a run, which drops the state resting and measures ``here``."""
-    evaluator = _evaluator(trainer, background=True, max_share=0.01)  # a rest of >= 29.7 s
-    spans, flat = _slowed(evaluator, monkeypatch), trainer.full_parameters()
-    try:
-        evaluator.submit(_snapshot(flat, outer_round=1))
-        assert evaluator.drain(timeout=60)
-        evaluator.submit(_snapshot(flat, outer_round=2))
-        assert not evaluator.drain(timeout=1)  # resting
-        evaluator.submit(_snapshot(flat, outer_round=3), now=True)  # replaces 2, and ends the rest
-        assert evaluator.drain(timeout=25)  # (with the rest it would take >= 28 s more)
-        evaluator.submit(_snapshot(flat, outer_round=4))  # resting again: the end drops it
-        evaluator.drop_waiting()
-        assert evaluator.drain(timeout=25) and len(spans) == 2
-        assert evaluator.submit(_snapshot(flat, outer_round=5), here=True) is not None
-        assert [e.outer_round for e in evaluator.finished()] == [1, 3, 5]
     finally:
         evaluator.close()
 

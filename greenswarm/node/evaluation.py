@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
@@ -62,13 +63,13 @@ class EvalConfig:
     least that many outer steps passed since the last evaluation. ``keep_best``: keep the checkpoints
     of the k lowest losses in ``run_dir/best`` (needs ``batches > 0``; 0 keeps none).
 
-    ``max_share``: the most of the wall time the *background* measurement may take. After a measurement
-    of ``s`` seconds the next one waits until ``s * (1 - max_share) / max_share`` seconds have passed
-    (the newest state waiting is measured then), so a site whose measurements grow slow -- a loaded
-    machine, rounds faster than a forward pass over the held-out set -- trains instead of measuring
-    without pause: the measurement shares rank 0's cores or GPU with training. 1 measures whenever a
-    state is waiting. The loop's own measurements (``keep_best``, no ``background``, the end of a run)
-    are never held back: they are what the loop waits for.
+    ``max_share``: the most of the wall time measuring may take. When measurements grow slow against
+    the outer steps (a loaded machine; rounds faster than a forward pass over the held-out set), the
+    node measures every ``every_rounds`` x 2, 4, 8 ... outer steps instead, the least power of two
+    that keeps it under that share (:class:`MeasurePace`), on outer steps that are multiples of it: a
+    site measuring every 4th step measures the same global models as one measuring every 2nd, so
+    sites holding one digest still report one loss. Measuring shares rank 0's cores or GPU with
+    training; the last global model is measured at the end whatever the pace.
 
     What is measured is the *global* model (:mod:`~greenswarm.node.global_eval`), on a copy of its own
     on rank 0: ``device`` ``auto`` puts it where rank 0 trains, ``cpu`` on the CPU (a GPU short of
@@ -227,6 +228,38 @@ class BestEntry:
         return (self.loss, -self.outer_round)
 
 
+class MeasurePace:
+    """How many outer steps apart the node measures: ``every_rounds`` times a power of two, the least at
+    which measuring takes at most ``max_share`` of the wall time (``eval.max_share``).
+
+    Fed by the loop: :meth:`landed` at each outer step, :meth:`measured` with each measurement's
+    seconds (which may come from the evaluator's thread, later). The factor follows the newest
+    measurement against the mean wall time of the last outer steps, up and down. A power of two, and
+    steps that are multiples of the stride (:meth:`BestCheckpoints.due`), so that sites at different
+    paces measure the same global models: every 4th step is also every 2nd.
+    """
+
+    def __init__(self, every_rounds: int, max_share: float, clock: Callable[[], float] = time.monotonic):
+        self.every_rounds, self.max_share, self.clock = every_rounds, max_share, clock
+        self.factor = 1
+        self._landed: deque[float] = deque(maxlen=9)  # when the last outer steps landed
+
+    @property
+    def stride(self) -> int:
+        return self.every_rounds * self.factor
+
+    def landed(self) -> None:
+        self._landed.append(self.clock())
+
+    def measured(self, seconds: float) -> None:
+        """A measurement took ``seconds``: the factor that keeps the next ones within the share."""
+        if len(self._landed) < 2 or not math.isfinite(seconds):
+            return
+        per_step = (self._landed[-1] - self._landed[0]) / (len(self._landed) - 1)
+        need = seconds / (self.max_share * self.every_rounds * max(per_step, 1e-6))
+        self.factor = 1 << max(0, math.ceil(math.log2(need))) if need > 1 else 1
+
+
 class BestCheckpoints:
     """Decides when to evaluate, and keeps the checkpoints of the ``keep_best`` lowest held-out losses.
 
@@ -242,6 +275,7 @@ class BestCheckpoints:
         self.index = self.directory / INDEX
         self.entries: list[BestEntry] = self._load_or_forget() if cfg.keep_best else []
         self.last_round: int | None = max((e.outer_round for e in self.entries), default=None)
+        self.pace = MeasurePace(cfg.every_rounds, cfg.max_share)
 
     # ---- the node's entry point
 
@@ -250,11 +284,18 @@ class BestCheckpoints:
 
         Counted from the last evaluated step rather than ``outer_round % every_rounds`` because a
         catch-up can jump over steps; a step *behind* the last one (a resync) starts counting anew.
+        Slowed down by :attr:`pace` (``eval.max_share``), it measures the multiples of its stride, and
+        a step a jump took it past a multiple to.
         """
         if not self.cfg.enabled:
             return False
         last = self.last_round
-        return last is None or outer_round < last or outer_round - last >= self.cfg.every_rounds
+        if last is None or outer_round < last:
+            return True
+        stride = self.pace.stride
+        if self.pace.factor > 1 and outer_round > last and outer_round % stride == 0:
+            return True
+        return outer_round - last >= stride
 
     def after_step(
         self, outer_round: int, lineage: str, evaluate: Callable[[], float | None]
@@ -272,6 +313,7 @@ class BestCheckpoints:
         """The held-out loss of outer step ``outer_round`` when an evaluation is due, else None (the
         loop's part: it needs the model as it is). ``evaluate`` returns None for a loss measured
         later, beside training (nothing to keep then: ``keep_best`` waits for its losses)."""
+        self.pace.landed()
         if not self.due(outer_round):
             return None
         value = evaluate()

@@ -16,11 +16,8 @@ site that measured it:
   it); a GPU and a CPU site may differ in the last bits.
 * **off the training path.** With ``eval.background`` (the default) the measurement runs on a thread
   of its own while the loop trains on; only the newest state waiting is measured when a slow
-  evaluation falls behind a fast swarm (an older one would only be outdated), and no sooner than
-  ``eval.max_share`` of the wall time allows (:func:`rest_after`): measuring without pause would take
-  rank 0's cores or GPU from training whenever a measurement is slower than the rounds. With
-  ``eval.keep_best`` the loop waits for the loss instead: the checkpoint it keeps must be the one
-  measured.
+  evaluation falls behind a fast swarm (an older one would only be outdated). With ``eval.keep_best``
+  the loop waits for the loss instead: the checkpoint it keeps must be the one measured.
 
 Results come back to the loop through :meth:`GlobalEvaluator.finished`, which the node turns into its
 progress record's ``eval_loss``, a line of ``run_dir/evals.jsonl`` and its summary.
@@ -90,12 +87,6 @@ class Evaluation:
         return {**asdict(self), "perplexity": self.perplexity}
 
 
-def rest_after(seconds: float, max_share: float) -> float:
-    """Seconds the background measurement waits after one of ``seconds``, so that measuring takes at most
-    ``max_share`` of the wall time: ``seconds / (seconds + rest) == max_share``."""
-    return seconds * (1.0 - max_share) / max_share
-
-
 def perplexity(loss: float | None) -> float | None:
     """``exp(loss)``: inf where it overflows, None for no loss or a loss that is not a number."""
     if loss is None or math.isnan(loss):
@@ -137,7 +128,6 @@ class GlobalEvaluator:
             param.requires_grad_(False)
         self._pending: Snapshot | None = None
         self._busy = False
-        self._rest_until = 0.0  # (monotonic) no background measurement begins before (eval.max_share)
         self._done: list[Evaluation] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -145,34 +135,22 @@ class GlobalEvaluator:
 
     # ---- what the node calls
 
-    def submit(self, snapshot: Snapshot, here: bool = False, now: bool = False) -> Evaluation | None:
-        """Measure ``snapshot``: ``here`` and now (after any measurement under way; a state still waiting
-        is dropped: this one is newer), returning the evaluation, or None when it failed (said in a
-        warning); else on the evaluator's thread, and None (:meth:`finished` gives it back when done).
-        On the thread it waits out ``eval.max_share``'s rest unless ``now`` (a loop waiting for it)."""
+    def submit(self, snapshot: Snapshot, here: bool = False) -> Evaluation | None:
+        """Measure ``snapshot``: ``here`` and now (after any measurement under way), returning the
+        evaluation, or None when it failed (said in a warning); else on the evaluator's thread, and
+        None (:meth:`finished` gives it back when done)."""
         if here:
-            with self._cond:
-                self._pending = None
             self.drain()  # (the older one first: results arrive in order, and the model is free)
             return self._measure_or_warn(snapshot)
         with self._cond:
             if self._pending is not None:
                 log.debug("outer step %d not measured: a newer state came first", self._pending.outer_round)
             self._pending = snapshot
-            if now:
-                self._rest_until = 0.0
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="held-out-eval", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return None
-
-    def drop_waiting(self) -> None:
-        """Forget a state waiting to be measured (the end of a run measures what it ends with itself,
-        at once, rather than waiting out the rest ``eval.max_share`` asks between measurements)."""
-        with self._cond:
-            self._pending = None
-            self._cond.notify_all()
 
     def result_of(self, snapshot: Snapshot) -> Evaluation | None:
         """The newest evaluation if it is of ``snapshot``'s state, else None."""
@@ -214,24 +192,15 @@ class GlobalEvaluator:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._closed:
-                    if self._pending is None:
-                        self._cond.wait()
-                        continue
-                    rest = self._rest_until - time.monotonic()
-                    if rest <= 0:
-                        break
-                    self._cond.wait(rest)  # (a newer state may replace the one waiting meanwhile)
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
                 if self._closed:
                     return
                 snapshot, self._pending, self._busy = self._pending, None, True
-            began = time.monotonic()
             try:
                 self._measure_or_warn(snapshot)
             finally:
                 with self._cond:
-                    ended = time.monotonic()
-                    self._rest_until = ended + rest_after(ended - began, self.cfg.max_share)
                     self._busy = False
                     self._cond.notify_all()
 

@@ -440,7 +440,7 @@ class SiteNode:
             evaluator.submit(snapshot)
             return None
         if self.world.distributed:
-            evaluator.submit(snapshot, now=True)
+            evaluator.submit(snapshot)
             self._wait_for_evaluator()
             result = evaluator.result_of(snapshot)
         else:
@@ -476,6 +476,7 @@ class SiteNode:
         if self.evaluator is None:
             return
         for done in self.evaluator.finished():
+            self.checkpoints.best.pace.measured(done.seconds)  # (how far apart the next ones go)
             stats = self.stats
             stats.eval_loss, stats.eval_round = done.loss, done.outer_round
             stats.eval_digest, stats.eval_tokens, stats.eval_set = (
@@ -496,7 +497,6 @@ class SiteNode:
         evaluator, state = self.evaluator, self.global_state
         if evaluator is None or (self.stats.local_steps == 0 and state.outer_round == 0):
             return
-        evaluator.drop_waiting()  # (measured below if it is the one the run ends with, without its rest)
         if not self._wait_for_evaluator(FINAL_EVAL_WAIT_S):
             self.log.warning("the held-out evaluation under way did not end in %.0f s", FINAL_EVAL_WAIT_S)
             return
