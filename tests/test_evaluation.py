@@ -142,50 +142,64 @@ def test_nan_and_inf_are_never_kept(tmp_path: Path, caplog: pytest.LogCaptureFix
 
 
 def test_evaluates_every_n_rounds(tmp_path: Path) -> None:
-    """Due when ``every_rounds`` steps passed since the last evaluation, also across a catch-up jump."""
+    """Due at the first step and the multiples of ``every_rounds`` (sites measure the same global
+    models); a catch-up that jumps over one waits for the next, and a resync back is measured."""
     best = BestCheckpoints(EvalConfig(batches=1, every_rounds=3), Checkpointer(tmp_path))
     calls: list[int] = []
-    for step in (1, 2, 3, 4, 5, 9, 10, 11, 12):
+    for step in (1, 2, 3, 4, 5, 7, 8, 10, 11, 12, 5, 6):
         best.after_step(step, "x", lambda step=step: calls.append(step) or 1.0)
-    assert calls == [1, 4, 9, 12]
+    assert calls == [1, 3, 12, 5, 6]
     assert not (tmp_path / "best").exists()  # keep_best = 0: evaluation only
 
 
 def test_slow_measurements_go_further_apart_within_their_share() -> None:
     """``eval.max_share``: the least power of two of ``every_rounds`` at which a measurement of the newest
-    length takes at most that share of the outer steps' wall time; up and down as it changes."""
+    length takes at most that share of the outer steps' wall time; at once up, one halving at a time
+    down; the wall time per step is per step advanced (a catch-up jumps several)."""
     now = [0.0]
     pace = MeasurePace(every_rounds=1, max_share=0.25, clock=lambda: now[0])
     pace.measured(100.0)  # (no outer steps timed yet: nothing to compare with)
     assert pace.factor == 1
-    for t in (0.0, 3.0, 6.0):  # an outer step every 3 s
+    for t, step in ((0.0, 1), (3.0, 2), (9.0, 4)):  # 3 s per outer step, 4 reached by a catch-up
         now[0] = t
-        pace.landed()
-    expected = {0.5: 1, 0.75: 1, 0.76: 2, 5.0: 8, 2.0: 4, 0.1: 1}  # seconds -> factor: share x 3 s = 0.75
-    for seconds, factor in expected.items():
+        pace.landed(step)
+    # seconds measured -> factor (the share of 3 s is 0.75 s)
+    expected = [(0.5, 1), (0.75, 1), (0.76, 2), (5.0, 8), (2.0, 4), (0.1, 2), (0.1, 1), (0.1, 1)]
+    for seconds, factor in expected:
         pace.measured(seconds)
-        assert pace.factor == factor, seconds
+        assert pace.factor == factor, (seconds, factor)
+    now[0] = 10.0
+    pace.landed(2)  # a resync back: the steps are timed anew, and one is too few to time
+    pace.measured(100.0)
+    assert pace.factor == 1
     slow = MeasurePace(every_rounds=3, max_share=0.5, clock=lambda: now[0])
-    for t in (0.0, 1.0):
+    for t, step in ((0.0, 3), (3.0, 6)):
         now[0] = t
-        slow.landed()
+        slow.landed(step)
     slow.measured(3.0)  # 3 s a measurement, 1.5 s of share per every_rounds (3) steps: twice as far
     assert (slow.factor, slow.stride) == (2, 6)
 
 
-def test_sites_at_different_paces_measure_the_same_global_models(tmp_path: Path) -> None:
-    """Paced, a site measures the multiples of its stride (and a step a jump took it past one to), so
-    a site measuring every 4th outer step measures models that one measuring every 2nd does too."""
+@pytest.mark.parametrize("every_rounds", [1, 3])
+def test_sites_at_different_paces_measure_the_same_global_models(tmp_path: Path, every_rounds: int) -> None:
+    """Paced, a site measures the multiples of its stride, also when its factor changes between two,
+    so a site measuring every 4th outer step measures models that one measuring every 2nd does too."""
     measured: dict[int, list[int]] = {}
+    steps = [*range(1, 10), *range(13, 30)]  # (a catch-up jumps over 10-12)
     for factor in (1, 2, 4):
-        best = BestCheckpoints(EvalConfig(batches=1), Checkpointer(tmp_path / str(factor)))
+        best = BestCheckpoints(
+            EvalConfig(batches=1, every_rounds=every_rounds), Checkpointer(tmp_path / str(factor))
+        )
         calls = measured.setdefault(factor, [])
-        for step in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16):
-            best.pace.factor = factor
+        for step in steps:
+            best.pace.factor = factor if step < 20 else 2  # (from step 20 on, all at every 2nd)
             best.after_step(step, "x", lambda step=step, calls=calls: calls.append(step) or 1.0)
-    assert measured[1] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16]
-    assert measured[2] == [1, 2, 4, 6, 8, 13, 14, 16]  # (13: a jump over 10 and 12)
-    assert measured[4] == [1, 4, 8, 13, 16]
+    strides = {factor: every_rounds * factor for factor in measured}
+    for factor, calls in measured.items():
+        expected = [1] + [
+            s for s in steps if s > 1 and s % (strides[factor] if s < 20 else 2 * every_rounds) == 0
+        ]
+        assert calls == expected, factor
     assert set(measured[4]) <= set(measured[2]) <= set(measured[1])
 
 

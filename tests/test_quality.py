@@ -190,6 +190,7 @@ def test_the_demo_report_names_the_swarm_model_its_loss_and_its_tokens() -> None
         ("eval:\n  device: cuda\n", "eval.device: must be 'auto' (where rank 0 trains) or 'cpu'"),
         ("eval:\n  background: maybe\n", "eval.background"),
         ("eval:\n  max_share: 0\n", "eval.max_share: must be in (0, 1]"),
+        ("eval:\n  max_share: 1.5\n", "eval.max_share: must be in (0, 1]"),
     ],
 )
 def test_eval_settings_are_checked_at_load(tmp_path: Path, snippet: str, expected: str) -> None:

@@ -59,8 +59,8 @@ class EvalConfig:
     and reused, so losses of different outer steps are comparable; 0 turns evaluation off.
     ``shard_index`` of ``num_shards`` names the held-out shard of ``data.source``; ``num_shards = 0``
     means ``data.num_shards`` and ``shard_index = -1`` the last shard (``num_shards - 1``), so by
-    default the shard the swarm leaves untrained is the last one. ``every_rounds``: evaluate when at
-    least that many outer steps passed since the last evaluation. ``keep_best``: keep the checkpoints
+    default the shard the swarm leaves untrained is the last one. ``every_rounds``: evaluate the outer
+    steps that are multiples of it (and the first). ``keep_best``: keep the checkpoints
     of the k lowest losses in ``run_dir/best`` (needs ``batches > 0``; 0 keeps none).
 
     ``max_share``: the most of the wall time measuring may take. When measurements grow slow against
@@ -232,32 +232,40 @@ class MeasurePace:
     """How many outer steps apart the node measures: ``every_rounds`` times a power of two, the least at
     which measuring takes at most ``max_share`` of the wall time (``eval.max_share``).
 
-    Fed by the loop: :meth:`landed` at each outer step, :meth:`measured` with each measurement's
-    seconds (which may come from the evaluator's thread, later). The factor follows the newest
-    measurement against the mean wall time of the last outer steps, up and down. A power of two, and
-    steps that are multiples of the stride (:meth:`BestCheckpoints.due`), so that sites at different
-    paces measure the same global models: every 4th step is also every 2nd.
+    Fed on the loop's thread: :meth:`landed` at each outer step the node measures or skips,
+    :meth:`measured` with each finished measurement's seconds. The wall time per outer step is that
+    of the last few, divided by the steps they advanced (a catch-up jumps several). The factor rises
+    at once to what the newest measurement needs, and falls one halving per measurement, so one fast
+    measurement (an idle machine for a moment, a long pause between windows) does not undo it.
+    Powers of two on multiples (:meth:`BestCheckpoints.due`): every 4th step is also every 2nd, so
+    sites at different paces measure the same global models.
     """
 
     def __init__(self, every_rounds: int, max_share: float, clock: Callable[[], float] = time.monotonic):
         self.every_rounds, self.max_share, self.clock = every_rounds, max_share, clock
         self.factor = 1
-        self._landed: deque[float] = deque(maxlen=9)  # when the last outer steps landed
+        self._landed: deque[tuple[float, int]] = deque(maxlen=9)  # (when, outer step) of the last ones
 
     @property
     def stride(self) -> int:
         return self.every_rounds * self.factor
 
-    def landed(self) -> None:
-        self._landed.append(self.clock())
+    def landed(self, outer_round: int) -> None:
+        if self._landed and outer_round < self._landed[-1][1]:  # a resync went back: time anew
+            self._landed.clear()
+        self._landed.append((self.clock(), outer_round))
 
     def measured(self, seconds: float) -> None:
         """A measurement took ``seconds``: the factor that keeps the next ones within the share."""
         if len(self._landed) < 2 or not math.isfinite(seconds):
             return
-        per_step = (self._landed[-1] - self._landed[0]) / (len(self._landed) - 1)
+        (first, first_round), (last, last_round) = self._landed[0], self._landed[-1]
+        if last_round <= first_round:
+            return
+        per_step = (last - first) / (last_round - first_round)
         need = seconds / (self.max_share * self.every_rounds * max(per_step, 1e-6))
-        self.factor = 1 << max(0, math.ceil(math.log2(need))) if need > 1 else 1
+        wanted = 1 << max(0, math.ceil(math.log2(need))) if need > 1 else 1
+        self.factor = wanted if wanted >= self.factor else self.factor // 2
 
 
 class BestCheckpoints:
@@ -280,22 +288,21 @@ class BestCheckpoints:
     # ---- the node's entry point
 
     def due(self, outer_round: int) -> bool:
-        """Whether ``outer_round`` should be evaluated: ``every_rounds`` steps since the last one.
+        """Whether ``outer_round`` should be evaluated: the first step, a step *behind* the last one
+        measured (a resync), and multiples of the stride -- ``every_rounds``, times :attr:`pace`'s
+        factor when measuring is slow (``eval.max_share``).
 
-        Counted from the last evaluated step rather than ``outer_round % every_rounds`` because a
-        catch-up can jump over steps; a step *behind* the last one (a resync) starts counting anew.
-        Slowed down by :attr:`pace` (``eval.max_share``), it measures the multiples of its stride, and
-        a step a jump took it past a multiple to.
+        Multiples, not "``every_rounds`` since the last one": sites that measure the same multiples
+        measure the same global models (every 4th step is also every 2nd), so sites holding one digest
+        report one loss. A catch-up that jumps over a multiple waits for the next one, less than a
+        stride away.
         """
         if not self.cfg.enabled:
             return False
         last = self.last_round
         if last is None or outer_round < last:
             return True
-        stride = self.pace.stride
-        if self.pace.factor > 1 and outer_round > last and outer_round % stride == 0:
-            return True
-        return outer_round - last >= stride
+        return outer_round > last and outer_round % self.pace.stride == 0
 
     def after_step(
         self, outer_round: int, lineage: str, evaluate: Callable[[], float | None]
@@ -313,7 +320,7 @@ class BestCheckpoints:
         """The held-out loss of outer step ``outer_round`` when an evaluation is due, else None (the
         loop's part: it needs the model as it is). ``evaluate`` returns None for a loss measured
         later, beside training (nothing to keep then: ``keep_best`` waits for its losses)."""
-        self.pace.landed()
+        self.pace.landed(outer_round)
         if not self.due(outer_round):
             return None
         value = evaluate()
