@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -551,6 +552,36 @@ def test_a_lease_not_renewed_in_time_is_left(board: Board, corpus: Path, tmp_pat
         expires = board.values["sw_shards"][b"a"][1]
         a.claims._publish(wait=True)
         assert board.values["sw_shards"][b"a"][1] > expires  # every write expires after the last
+    finally:
+        a.claims.close()
+
+
+def test_a_renewal_the_dht_did_not_take_is_tried_again_at_once_and_keeps_the_lease(
+    board: Board, corpus: Path, tmp_path: Path
+) -> None:
+    a = Site(board, "a", corpus, tmp_path)
+    try:
+        a.claims.start([{}], background=False)
+        a.step()
+        (shard,) = a.held()
+        third = a.claims.lease_s / 3
+        # a renewal the DHT took: the next is due a third of the lease after this one began, however
+        # long it took
+        assert a.claims._renew() is True
+        assert a.claims._next_renewal(100.0, stored=True) == 100.0 + third
+        until = a.claims.held[shard].until
+        board.t += 2 * third  # then one store fails, two thirds of a lease on
+        board.stores_fail = True
+        assert a.claims._renew() is False and a.held() == {shard}
+        assert a.claims.held[shard].until == until  # not counted as renewed
+        retry = a.claims._next_renewal(time.monotonic(), stored=False)
+        assert retry - time.monotonic() <= min(a.claims.lease_s / 12, 1.0)  # a moment later, not a third
+        # the retry writes without reading first (it read a moment ago), and the lease holds on
+        board.stores_fail, board.gets_left = False, 0  # (a read would now time out and be said)
+        board.t += 1.0
+        assert a.claims._renew(read=False) is True
+        assert a.held() == {shard} and a.claims.held[shard].until == board.t + a.claims.lease_s
+        assert "fetch" not in a.claims._said
     finally:
         a.claims.close()
 

@@ -9,7 +9,8 @@ and tells the swarm what it holds and how far it read, by the rules of
   shards whose earliest live claim is this site's; each reader gets its shard from the furthest
   position any record gives. Each rank holds the shard it reads and, claimed in the background, the
   one it reads next.
-* **renew** -- every third of ``data.lease_s`` on a thread of its own (claims never hold it up):
+* **renew** -- every third of ``data.lease_s`` (from the last renewal's start), and again a moment
+  after one the DHT did not take, on a thread of its own (claims never hold it up):
   leases extended once the DHT holds the new record, and any shard an earlier rival claim holds is
   left (the reader is told before its next step, and the site logs what it will have read twice). A
   lease the site could not renew for a whole lease (the DHT failed it) is left too: another site may
@@ -462,14 +463,16 @@ class ShardClaims:
                 if shard not in self.held:
                     self.read_from.pop(shard, None)
 
-    def _renew(self) -> None:
+    def _renew(self, read: bool = True) -> bool:
         """Extend this site's leases (once the DHT holds them), leave any shard a rival claimed first,
-        and any whose lease ran out before it could be renewed."""
+        and any whose lease ran out before it could be renewed; whether the DHT took the renewal.
+        ``read``: read the others' records first (a retry right after a renewal the DHT did not take
+        goes straight to the write: the records were read a moment ago)."""
+        records = None
         try:
-            records = self._fetch()
+            records = self._fetch() if read else None
         except Exception as e:  # renew what it holds anyway: the others' records are the last ones read
             self._say_once("fetch", f"cannot read the swarm's shard records ({type(e).__name__}: {e})")
-            records = None
         now = self.now()
         lost, lapsed = [], []
         with self._lock:
@@ -503,7 +506,7 @@ class ShardClaims:
                 self.lease_s,
                 "it" if len(lapsed) == 1 else "them",
             )
-        self._publish(wait=True, renew=True)
+        return self._publish(wait=True, renew=True)
 
     def _holds(self, lease: Lease) -> bool:
         """(under the lock) Whether this site still holds ``lease``'s claim (renewed or not: a renewal
@@ -518,12 +521,27 @@ class ShardClaims:
         self._plan.setdefault(lease.rank, []).append(("withdraw", shard, None, None))
 
     def _renew_loop(self) -> None:
-        """Renew every third of the lease, whatever the claims are doing."""
-        while not self._stop.wait(self.lease_s / 3):
+        """Renew every third of the lease, whatever the claims are doing (:meth:`_next_renewal`)."""
+        at, stored = time.monotonic() + self.lease_s / 3, True
+        while not self._stop.wait(max(0.0, at - time.monotonic())):
+            began = time.monotonic()
             try:
-                self._renew()
+                stored = self._renew(read=stored)
             except Exception as e:  # a bug or a dying DHT: the next renewal tries again
                 self.log.warning("shard leases: %s: %s (trying again)", type(e).__name__, e)
+                stored = False
+            at = self._next_renewal(began, stored)
+
+    def _next_renewal(self, began: float, stored: bool) -> float:
+        """When the renewal after one that began at ``began`` (monotonic) is due: a third of the lease
+        after that one began, not after it ended, so a slow DHT does not stretch the period; and, if
+        the DHT did not take it, a moment after it failed. Each renewal waits up to a third of the
+        lease on the read and again on the write: timed from its end, with the next try a whole
+        period later, one store that timed out cost the lease (a soak beside two busy processes: "the
+        DHT did not take this site's record for 6 s" 2 s after the one store that failed)."""
+        if stored:
+            return began + self.lease_s / 3
+        return time.monotonic() + min(self.lease_s / 12, 1.0)
 
     def _claims_loop(self) -> None:
         """Claim the shards ranks read next when asked."""
