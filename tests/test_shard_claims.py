@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -304,6 +305,18 @@ def board() -> Any:
     return Board()
 
 
+@pytest.fixture
+def a(board: Board, corpus: Path, tmp_path: Path) -> Iterator[Site]:
+    """Site a, started, one step taken: it holds the shard its reader reads."""
+    site = Site(board, "a", corpus, tmp_path)
+    try:
+        site.claims.start([{}], background=False)
+        site.step()
+        yield site
+    finally:
+        site.claims.close()
+
+
 def test_sites_claiming_together_never_hold_one_shard(board: Board, corpus: Path, tmp_path: Path) -> None:
     sites = [Site(board, name, corpus, tmp_path, readers=2 if name == "b" else 1) for name in "abc"]
     for site in sites:
@@ -368,29 +381,21 @@ def test_a_crashed_sites_shard_is_continued_from_what_it_committed(
         b.claims.close()
 
 
-def test_a_shard_read_to_its_end_is_released_at_the_next_commit(
-    board: Board, corpus: Path, tmp_path: Path
-) -> None:
-    a = Site(board, "a", corpus, tmp_path)
-    try:
-        a.claims.start([{}], background=False)
+def test_a_shard_read_to_its_end_is_released_at_the_next_commit(board: Board, a: Site) -> None:
+    a.claims._top_up()
+    a.claims.before_step()
+    a.apply()
+    first, second = a.readers[0].queue
+    while a.readers[0].queue[0] == first:
         a.step()
-        a.claims._top_up()
-        a.claims.before_step()
-        a.apply()
-        first, second = a.readers[0].queue
-        while a.readers[0].queue[0] == first:
-            a.step()
-        assert first in a.held()  # read to its end, but not yet in a checkpoint
-        a.claims.commit([a.readers[0].state_dict()])
-        assert first not in a.held() and second in a.held()
-        assert merge([ShardRecord.from_wire(_stored(board))], "ds", board.t).position(first) == (1, 0, 0)
-        a.claims.release_all("its window closed")
-        assert not a.held() and a.readers[0].queue == [second]  # (the withdrawal is the ranks' plan)
-        a.apply()
-        assert a.readers[0].queue == [] and _stored(board)["leases"] == []
-    finally:
-        a.claims.close()
+    assert first in a.held()  # read to its end, but not yet in a checkpoint
+    a.claims.commit([a.readers[0].state_dict()])
+    assert first not in a.held() and second in a.held()
+    assert merge([ShardRecord.from_wire(_stored(board))], "ds", board.t).position(first) == (1, 0, 0)
+    a.claims.release_all("its window closed")
+    assert not a.held() and a.readers[0].queue == [second]  # (the withdrawal is the ranks' plan)
+    a.apply()
+    assert a.readers[0].queue == [] and _stored(board)["leases"] == []
 
 
 def _stored(board: Board, subkey: bytes | None = None) -> dict:
@@ -461,42 +466,28 @@ def test_claim_settings_are_checked_at_load_naming_the_field(
     assert load_site_config(path, ["eval.num_shards=8"]).data.claimed
 
 
-def test_a_shard_left_for_another_is_released_even_unread_since(
-    board: Board, corpus: Path, tmp_path: Path
-) -> None:
-    a = Site(board, "a", corpus, tmp_path)
-    try:
-        a.claims.start([{}], background=False)
+def test_a_shard_left_for_another_is_released_even_unread_since(board: Board, a: Site) -> None:
+    (first,) = a.held()
+    while a.readers[0].positions[first][0] == 0:  # no next shard: it reads the next epoch of its own
         a.step()
-        (first,) = a.held()
-        while a.readers[0].positions[first][0] == 0:  # no next shard: it reads the next epoch of its own
-            a.step()
-        a.claims.commit([a.readers[0].state_dict()])  # everything read so far is committed
-        assert a.held() == {first}
-        a.claims._top_up()  # a next shard comes: the reader leaves the wrapped one where it is
-        a.claims.before_step()
-        a.apply()
-        assert first not in a.readers[0].queue
-        a.claims.commit([a.readers[0].state_dict()])
-        assert first not in a.held() and len(a.held()) == 1
-    finally:
-        a.claims.close()
+    a.claims.commit([a.readers[0].state_dict()])  # everything read so far is committed
+    assert a.held() == {first}
+    a.claims._top_up()  # a next shard comes: the reader leaves the wrapped one where it is
+    a.claims.before_step()
+    a.apply()
+    assert first not in a.readers[0].queue
+    a.claims.commit([a.readers[0].state_dict()])
+    assert first not in a.held() and len(a.held()) == 1
 
 
 def test_a_checkpoint_from_before_a_shard_was_claimed_again_does_not_release_it(
-    board: Board, corpus: Path, tmp_path: Path
+    board: Board, a: Site
 ) -> None:
-    a = Site(board, "a", corpus, tmp_path)
-    try:
-        a.claims.start([{}], background=False)
-        a.step()
-        (shard,) = a.held()
-        old = a.readers[0].state_dict()
-        old["left"] = {shard: "an-earlier-claim"}  # a snapshot from when it had left the shard under another
-        a.claims.commit([old])
-        assert a.held() == {shard}
-    finally:
-        a.claims.close()
+    (shard,) = a.held()
+    old = a.readers[0].state_dict()
+    old["left"] = {shard: "an-earlier-claim"}  # a snapshot from when it had left the shard under another
+    a.claims.commit([old])
+    assert a.held() == {shard}
 
 
 def test_a_claim_the_dht_fails_midway_leaves_no_lease_and_no_crash(
@@ -538,52 +529,40 @@ def test_a_site_that_cannot_serve_every_rank_keeps_nothing(
         d.claims.close()
 
 
-def test_a_lease_not_renewed_in_time_is_left(board: Board, corpus: Path, tmp_path: Path, caplog: Any) -> None:
-    a = Site(board, "a", corpus, tmp_path)
-    try:
-        a.claims.start([{}], background=False)
-        a.step()
-        (shard,) = a.held()
-        board.t += 31.0  # the DHT took none of its renewals for longer than a lease
-        with caplog.at_level(logging.WARNING):
-            a.claims._renew()
-        assert not a.held() and a.claims._plan == {0: [("withdraw", shard, None, None)]}
-        assert "could not renew the lease on shard" in caplog.text
-        expires = board.values["sw_shards"][b"a"][1]
-        a.claims._publish(wait=True)
-        assert board.values["sw_shards"][b"a"][1] > expires  # every write expires after the last
-    finally:
-        a.claims.close()
+def test_a_lease_not_renewed_in_time_is_left(board: Board, a: Site, caplog: Any) -> None:
+    (shard,) = a.held()
+    board.t += 31.0  # the DHT took none of its renewals for longer than a lease
+    with caplog.at_level(logging.WARNING):
+        a.claims._renew()
+    assert not a.held() and a.claims._plan == {0: [("withdraw", shard, None, None)]}
+    assert "could not renew the lease on shard" in caplog.text
+    expires = board.values["sw_shards"][b"a"][1]
+    a.claims._publish(wait=True)
+    assert board.values["sw_shards"][b"a"][1] > expires  # every write expires after the last
 
 
 def test_a_renewal_the_dht_did_not_take_is_tried_again_at_once_and_keeps_the_lease(
-    board: Board, corpus: Path, tmp_path: Path
+    board: Board, a: Site
 ) -> None:
-    a = Site(board, "a", corpus, tmp_path)
-    try:
-        a.claims.start([{}], background=False)
-        a.step()
-        (shard,) = a.held()
-        third = a.claims.lease_s / 3
-        # a renewal the DHT took: the next is due a third of the lease after this one began, however
-        # long it took
-        assert a.claims._renew() is True
-        assert a.claims._next_renewal(100.0, stored=True) == 100.0 + third
-        until = a.claims.held[shard].until
-        board.t += 2 * third  # then one store fails, two thirds of a lease on
-        board.stores_fail = True
-        assert a.claims._renew() is False and a.held() == {shard}
-        assert a.claims.held[shard].until == until  # not counted as renewed
-        retry = a.claims._next_renewal(time.monotonic(), stored=False)
-        assert retry - time.monotonic() <= min(a.claims.lease_s / 12, 1.0)  # a moment later, not a third
-        # the retry writes without reading first (it read a moment ago), and the lease holds on
-        board.stores_fail, board.gets_left = False, 0  # (a read would now time out and be said)
-        board.t += 1.0
-        assert a.claims._renew(read=False) is True
-        assert a.held() == {shard} and a.claims.held[shard].until == board.t + a.claims.lease_s
-        assert "fetch" not in a.claims._said
-    finally:
-        a.claims.close()
+    (shard,) = a.held()
+    third = a.claims.lease_s / 3
+    # a renewal the DHT took: the next is due a third of the lease after this one began, however
+    # long it took
+    assert a.claims._renew() is True
+    assert a.claims._next_renewal(100.0, stored=True) == 100.0 + third
+    until = a.claims.held[shard].until
+    board.t += 2 * third  # then one store fails, two thirds of a lease on
+    board.stores_fail = True
+    assert a.claims._renew() is False and a.held() == {shard}
+    assert a.claims.held[shard].until == until  # not counted as renewed
+    retry = a.claims._next_renewal(time.monotonic(), stored=False)
+    assert retry - time.monotonic() <= min(a.claims.lease_s / 12, 1.0)  # a moment later, not a third
+    # the retry writes without reading first (it read a moment ago), and the lease holds on
+    board.stores_fail, board.gets_left = False, 0  # (a read would now time out and be said)
+    board.t += 1.0
+    assert a.claims._renew(read=False) is True
+    assert a.held() == {shard} and a.claims.held[shard].until == board.t + a.claims.lease_s
+    assert "fetch" not in a.claims._said
 
 
 def test_a_restart_outside_its_window_releases_everything_it_took_back(
