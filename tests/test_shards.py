@@ -70,6 +70,8 @@ class Run:
     a_held: list[int] = field(default_factory=list)  # what a held when it was killed
     logs: dict[str, str] = field(default_factory=dict)
     codes: dict[str, int] = field(default_factory=dict)
+    _watched: list[dict[str, Any]] = field(default_factory=list)
+    _watched_to: int = 0
 
     def journal(self) -> list[dict[str, Any]]:
         """Every site's journal, and the interval a's last commit published but did not journal."""
@@ -92,7 +94,18 @@ class Run:
             if line["wall_time"] <= self.killed_at:
                 last[line["shard"]] = line
         shards = set(self.a_held) | {shard for shard, line in last.items() if line["site"] == "a"}
-        return _published_by(_listings((self.tmp / "watchb.log").read_text()), shards, self.killed_at)
+        return _published_by(self.watched(), shards, self.killed_at)
+
+    def watched(self) -> list[dict[str, Any]]:
+        """The reader through b's samples so far (read on from where the last call stopped: the scenario
+        asks on every poll while it waits, and the log grows to megabytes)."""
+        with (self.tmp / "watchb.log").open("rb") as f:
+            f.seek(self._watched_to)
+            whole = f.read().rpartition(b"\n")[0]  # (a line still being written waits for the next call)
+        if whole:
+            self._watched_to += len(whole) + 1
+            self._watched += _listings(whole.decode())
+        return self._watched
 
 
 def _listings(text: str) -> list[dict[str, Any]]:
