@@ -108,8 +108,8 @@ def _ideal_g(trace: Any, region: str, threshold: float, seconds: float) -> float
 
 
 def _check_quality(report: dict) -> None:
-    """The global model's held-out loss: every site measured the global model it ended with, sites that
-    held one digest measured one loss (bit for bit, across processes), and the report names the swarm's."""
+    """The global model's held-out loss: every site measured the global model it ended with, a model
+    measured in two processes gave one loss (bit for bit), and the report names the swarm's."""
     workdir = Path(report["workdir"])
     by_digest: dict[str, dict[str, float]] = {}  # digest -> site -> the loss it measured
     for site in report["sites"]:
@@ -118,9 +118,14 @@ def _check_quality(report: dict) -> None:
         for line in (workdir / site["site"] / "evals.jsonl").read_text().splitlines():
             measured = json.loads(line)
             by_digest.setdefault(measured["digest"], {})[site["site"]] = measured["loss"]
+    # sites that measured one digest measured one loss. Which digests two sites measure depends on the
+    # load: each site paces its measurements by their own length (eval.max_share), so under load the
+    # sites measure different multiples, and a stretch of rounds two of them shared may hold none of
+    # their common ones (docs/testing.md row 94). So this may check nothing, and the check below does
+    # not depend on it: each site's last model, measured again in a process of its own
     shared = {digest: losses for digest, losses in by_digest.items() if len(losses) >= 2}
-    assert shared, f"no global model was held (and measured) by two sites: {by_digest}"
     assert all(len(set(losses.values())) == 1 for losses in shared.values()), shared
+    _check_measured_again(workdir, report["sites"])
     quality = report["quality"]
     assert quality["identical"] and quality["tokens"] == report["total"]["tokens"], quality
     # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer --
@@ -129,6 +134,23 @@ def _check_quality(report: dict) -> None:
     assert quality["eval_loss"] < LEARNED_LOSS, quality
     assert min(site["eval_loss"] for site in report["sites"]) < LEARNED_LOSS, report["sites"]
     assert quality["perplexity"] == pytest.approx(math.exp(quality["eval_loss"]))
+
+
+def _check_measured_again(workdir: Path, sites: list[dict]) -> None:
+    """Each site's newest checkpoint, the global model it ended with, measured in another process (the
+    node's evaluator, the site's held-out set and thread count: tests/_remeasure.py) gives the loss the
+    site published for it, to the bit: a loss is the model's, not the process's."""
+    configs = [str(workdir / f"{site['site']}.yaml") for site in sites]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._remeasure", *configs],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for site, line in zip(sites, done.stdout.splitlines(), strict=True):
+        again = json.loads(line)
+        last = json.loads((workdir / site["site"] / "evals.jsonl").read_text().splitlines()[-1])
+        assert (last["outer_round"], last["loss"]) == (site["eval_round"], site["eval_loss"]), (site, last)
+        assert again == {k: last[k] for k in ("outer_round", "lineage", "loss")} | {"tokens": 8192}, last
 
 
 def test_demo_on_the_builtin_trace_and_the_curtail_llm_trace(tmp_path: Path) -> None:

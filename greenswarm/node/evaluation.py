@@ -238,7 +238,8 @@ class MeasurePace:
     at once to what the newest measurement needs, and falls one halving per measurement, so one fast
     measurement (an idle machine for a moment, a long pause between windows) does not undo it.
     Powers of two on multiples (:meth:`BestCheckpoints.due`): every 4th step is also every 2nd, so
-    sites at different paces measure the same global models.
+    sites at different paces share the multiples of the larger stride. That is all they share: two
+    sites that hold the same models for fewer steps than that stride may measure none in common.
     """
 
     def __init__(self, every_rounds: int, max_share: float, clock: Callable[[], float] = time.monotonic):
