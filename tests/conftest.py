@@ -26,6 +26,7 @@ import yaml
 
 from greenswarm.averaging.config import LOOPBACK_TIMEOUTS
 from greenswarm.scheduler.clock import WAITING_FOR_START, write_start_file
+from tests._lanes import lanes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,22 +162,40 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """pyproject's ``-n auto``: a worker for each lane that fits the machine (tests/_lanes.py) and one
+    for the other modules."""
+    return lanes()[0] + 1
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getvalue("dist") != "load":
+        return None
+    count, why = lanes()
+    return f"cpu-bound lanes side by side: {count} ({why})"
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """pyproject's ``-n 3`` (xdist's default ``--dist load``; any other ``--dist`` is xdist's own):
+    """pyproject's ``-n auto`` (xdist's default ``--dist load``; any other ``--dist`` is xdist's own):
     loadscope (a module's tests on one worker, its module fixtures set up once), with each of the
-    :data:`CPU_LANES` one scope, queued first (in collection order): one worker each, the third takes
-    the other modules one by one, and a lane's worker takes them too once its lane is done. Not xdist's
-    ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer reads, so
-    its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
+    :data:`CPU_LANES` one scope, queued first (in collection order): one worker each, the last worker
+    takes the other modules one by one, and a lane's worker takes them too once its lane is done. Where
+    the machine has no room for two lanes (tests/_lanes.py) they run as one, one after the other. Not
+    xdist's ``loadgroup``: it regroups by rewriting each item's ``_nodeid``, which pytest 9 no longer
+    reads, so its groups silently fell apart (test_hardening's module fixture ran on both workers)."""
     from xdist.scheduler import LoadScopeScheduling
 
     if config.getvalue("dist") != "load":
         return None
+    side_by_side = lanes()[0] == 2
 
     class CpuBoundFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             lane = _lane(_module(nodeid))
-            return f"cpu_bound_{lane}" if lane is not None else nodeid.split("::", 1)[0]
+            if lane is None:
+                return nodeid.split("::", 1)[0]
+            return f"cpu_bound_{lane if side_by_side else 0}"
 
     config.option.loadscopereorder = False  # the collection's order: the lanes first
     return CpuBoundFirst(config, log)
