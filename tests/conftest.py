@@ -169,7 +169,22 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if config.getvalue("dist") != "load":
+    return _lanes_line(config)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under ``-q`` (CI's command) there is no header: the layout's line is said all the same, once."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    line = _lanes_line(config)
+    if line is not None and reporter is not None and config.get_verbosity() < 0:
+        reporter.write_line(line)
+
+
+def _lanes_line(config: pytest.Config) -> str | None:
+    """Which layout of :data:`CPU_LANES` this parallel run has, and why (None in a worker or without
+    xdist's load scheduling)."""
+    if config.getvalue("dist") != "load" or hasattr(config, "workerinput"):
         return None
     count, why = lanes()
     return f"cpu-bound lanes side by side: {count} ({why})"
