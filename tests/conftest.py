@@ -184,7 +184,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def _lanes_line(config: pytest.Config) -> str | None:
     """Which layout of :data:`CPU_LANES` this parallel run has, and why (None in a worker or without
     xdist's load scheduling)."""
-    if config.getvalue("dist") != "load" or hasattr(config, "workerinput"):
+    if config.getoption("dist", None) != "load" or hasattr(config, "workerinput"):  # (None: no xdist)
         return None
     count, why = lanes()
     return f"cpu-bound lanes side by side: {count} ({why})"

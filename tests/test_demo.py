@@ -125,7 +125,7 @@ def _check_quality(report: dict) -> None:
     # not depend on it: each site's last model, measured again in a process of its own
     shared = {digest: losses for digest, losses in by_digest.items() if len(losses) >= 2}
     assert all(len(set(losses.values())) == 1 for losses in shared.values()), shared
-    _check_measured_again(workdir, report["sites"])
+    _check_measured_again(workdir, report["sites"], report["overrides"])
     quality = report["quality"]
     assert quality["identical"] and quality["tokens"] == report["total"]["tokens"], quality
     # the swarm learned: well below the untrained model's loss, ln(256) = 5.55 for the byte tokenizer --
@@ -136,21 +136,28 @@ def _check_quality(report: dict) -> None:
     assert quality["perplexity"] == pytest.approx(math.exp(quality["eval_loss"]))
 
 
-def _check_measured_again(workdir: Path, sites: list[dict]) -> None:
+def _check_measured_again(workdir: Path, sites: list[dict], overrides: list[str]) -> None:
     """Each site's newest checkpoint, the global model it ended with, measured in another process (the
     node's evaluator, the site's held-out set and thread count: tests/_remeasure.py) gives the loss the
     site published for it, to the bit: a loss is the model's, not the process's."""
     configs = [str(workdir / f"{site['site']}.yaml") for site in sites]
+    sets = [arg for override in overrides for arg in ("--set", override)]  # (the demo's, to every site)
     done = subprocess.run(
-        [sys.executable, "-m", "tests._remeasure", *configs],
+        [sys.executable, "-m", "tests._remeasure", *sets, *configs],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    for site, line in zip(sites, done.stdout.splitlines(), strict=True):
+    lines = [x.split(" ", 1)[1] for x in done.stdout.splitlines() if x.startswith("REMEASURED ")]
+    for site, line in zip(sites, lines, strict=True):
         again = json.loads(line)
         last = json.loads((workdir / site["site"] / "evals.jsonl").read_text().splitlines()[-1])
         assert (last["outer_round"], last["loss"]) == (site["eval_round"], site["eval_loss"]), (site, last)
-        assert again == {k: last[k] for k in ("outer_round", "lineage", "loss")} | {"tokens": 8192}, last
+        assert again == {
+            "outer_round": last["outer_round"],
+            "lineage": last["lineage"],
+            "loss": last["loss"],
+            "tokens": last["held_out_tokens"],
+        }, last
 
 
 def test_demo_on_the_builtin_trace_and_the_curtail_llm_trace(tmp_path: Path) -> None:
