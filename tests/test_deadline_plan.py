@@ -385,6 +385,45 @@ def test_a_peer_that_leaves_keeps_the_tokens_it_trained() -> None:
     assert schedule._left(100.0, 100, start)[0] == pytest.approx(900.0)
 
 
+class StaleView:
+    """The others' records as a background-polled view holds them: ``live`` changes at once, what the
+    schedule reads only when it asks for a read."""
+
+    def __init__(self, live: list) -> None:
+        self.live, self.seen, self.reads = live, list(live), 0
+
+    def refresh(self) -> None:
+        self.seen, self.reads = list(self.live), self.reads + 1
+
+    def __call__(self) -> list:
+        return self.seen
+
+
+def test_a_shared_plan_decides_on_the_others_records_as_they_are_then() -> None:
+    """Row 95: at 3600x the background view is an hour of the trace old; a site that decided at its
+    deadline on it trained past the deadline for a target its partner had met. Each new decision
+    reads the records afresh (once per step, not at every lookup)."""
+    trace = _trace(30)
+    start = T0 + 21 * DAY_S
+    deadline = start + 2 * HOUR
+    planner = DeadlinePlanner(ProfileForecaster(), ["A"], deadline, threshold=250.0)
+    plan = {"deadline": deadline, "target": 10_000, "values": [100.0], "work_tokens": 5e3, "at": start}
+    view = StaleView([("B", 9_000, plan)])
+    schedule = DeadlineSchedule(
+        trace, "A", planner, Work(tokens=10_000), logging.getLogger("t.r"), shared=True
+    )
+    progress = FakeProgress(tokens_per_s=1.0)
+    progress.trained = 100.0  # 100 tokens: the rate is measured
+    schedule.bind(progress, peers=view, refresh_peers=view.refresh)
+    for minute in range(0, 60, 5):
+        schedule.current(start + minute * 60.0)
+    assert view.reads == 1 and not schedule.finished()
+    view.live = [("B", 9_900, plan)]  # B's last step, after the view's last read
+    schedule.current(start + HOUR)
+    assert view.reads == 2 and schedule.finished() and schedule.finished_at == start + HOUR
+    assert schedule.plan()["met_deadline"]
+
+
 @pytest.mark.parametrize("hours", [0.37, 1.11, 2.5, 3.33, 4.07, 5.9, 7.77])
 def test_a_site_always_finishes_what_it_can(hours: float) -> None:
     trace = _trace(30)

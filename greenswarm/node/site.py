@@ -129,7 +129,7 @@ class SiteNode:
         self.metrics: SiteMetrics | None = None  # node.metrics_port: Prometheus, from the start of run
         self.history = History(cfg.node.run_dir, cfg.node.log_every_s)  # what a run report reads
         if isinstance(self.schedule, DeadlineSchedule):  # the plan counts the work this site has done
-            self.schedule.bind(self._work_done, peers=self._plan_peers)
+            self.schedule.bind(self._work_done, peers=self._plan_peers, refresh_peers=self._read_peers)
 
     # ------------------------------------------------------------------ public
 
@@ -662,6 +662,12 @@ class SiteNode:
         if self.swarm is None:
             return []
         return [(r.site, r.tokens, r.plan) for r in self.swarm.view.others()]
+
+    def _read_peers(self) -> None:
+        """Read the others' progress records now (a shared deadline plan's new decision), bounded as
+        the round's own read is (see :meth:`SwarmView.poll_now`)."""
+        if self.swarm is not None:
+            self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
 
     def _slot_of(self, t: float) -> int:
         return int(t // self.cfg.averaging.sync_interval_s)

@@ -112,6 +112,7 @@ class DeadlineSchedule:
             raise ValueError("a shared deadline plan counts tokens: give work_tokens")
         self.shared = shared
         self.peers: Peers = list
+        self.refresh_peers: Callable[[], None] = lambda: None
         self.share: dict | None = None  # what this site publishes in its progress record (shared plans)
         self.partners = 0  # sites whose plans the last decision priced with
         self._peer_tokens: dict[str, int] = {}  # the most tokens each sharing site has shown
@@ -126,12 +127,22 @@ class DeadlineSchedule:
         self.finished_at: float | None = None
         self._measuring = False
 
-    def bind(self, progress: Progress, peers: Peers | None = None) -> None:
+    def bind(
+        self, progress: Progress, peers: Peers | None = None, refresh_peers: Callable[[], None] | None = None
+    ) -> None:
         """Where the schedule reads the site's progress (the node binds its ledger and counters) and,
-        for a shared plan, the other sites' (their progress records)."""
+        for a shared plan, the other sites' (their progress records), with how to read those afresh.
+
+        ``peers`` may answer from a view polled in the background, a poll period old; a shared plan
+        calls ``refresh_peers`` before each new decision, so that it decides on the records as they
+        are at that moment. Under a replayed clock a poll period is hours of the trace: a site that
+        decided at its deadline on a view from before its partner's last step trained past the
+        deadline for a target already met (docs/testing.md row 95)."""
         self.progress = progress
         if peers is not None:
             self.peers = peers
+        if refresh_peers is not None:
+            self.refresh_peers = refresh_peers
 
     def _left(self, trained: float, tokens: int, t: float) -> tuple[float | None, list[Supply]]:
         """Seconds of this site's training the work left amounts to (None: rate not yet measured), and
@@ -165,6 +176,9 @@ class DeadlineSchedule:
 
     def current(self, t: float) -> Window | None:
         trained, tokens = self.progress()
+        d = self.decision
+        if self.shared and self.finished_at is None and (d is None or not d.begin <= t < d.end):
+            self.refresh_peers()  # a new decision is due: on the others' records as they are now
         left, supplies = self._left(trained, tokens, t)
         if self.finished_at is None and left is not None and left <= DONE_S:
             self.finished_at = t
