@@ -401,11 +401,12 @@ class StaleView:
 
 def test_a_shared_plan_decides_on_the_others_records_as_they_are_then() -> None:
     """Row 95: at 3600x the background view is an hour of the trace old; a site that decided at its
-    deadline on it trained past the deadline for a target its partner had met. Each new decision
-    reads the records afresh (once per step, not at every lookup)."""
+    deadline on it trained past the deadline for a target its partner had met. Each decision at a
+    step of the plan reads the records afresh (once per step, not at every lookup; none once the
+    work is done)."""
     trace = _trace(30)
     start = T0 + 21 * DAY_S
-    deadline = start + 2 * HOUR
+    deadline = start + HOUR
     planner = DeadlinePlanner(ProfileForecaster(), ["A"], deadline, threshold=250.0)
     plan = {"deadline": deadline, "target": 10_000, "values": [100.0], "work_tokens": 5e3, "at": start}
     view = StaleView([("B", 9_000, plan)])
@@ -419,9 +420,11 @@ def test_a_shared_plan_decides_on_the_others_records_as_they_are_then() -> None:
         schedule.current(start + minute * 60.0)
     assert view.reads == 1 and not schedule.finished()
     view.live = [("B", 9_900, plan)]  # B's last step, after the view's last read
-    schedule.current(start + HOUR)
-    assert view.reads == 2 and schedule.finished() and schedule.finished_at == start + HOUR
-    assert schedule.plan()["met_deadline"]
+    assert schedule.current(deadline) is None  # the decision at the deadline: done, not late
+    assert view.reads == 2 and schedule.finished_at == deadline and schedule.plan()["met_deadline"]
+    assert "late" not in schedule.plan()["reasons"]
+    schedule.current(deadline + HOUR)
+    assert view.reads == 2
 
 
 @pytest.mark.parametrize("hours", [0.37, 1.11, 2.5, 3.33, 4.07, 5.9, 7.77])

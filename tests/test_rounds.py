@@ -8,7 +8,9 @@ solo, catch-up) is driven directly and checked against the global state it must 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,6 +418,31 @@ def test_the_freshest_holder_is_tried_first() -> None:
     try:
         view.poll_now()
         assert view.holders_of(5, "x") == ["presence", "ended"]
+    finally:
+        view.close()
+
+
+def test_a_view_read_at_every_decision_reads_at_most_once_per_age() -> None:
+    """A shared deadline plan reads the others' records before each decision (row 95); under a fast
+    replay those come milliseconds apart, and a read is a DHT round trip: ``poll_if_older`` skips a
+    read while the records held are younger than asked, and reads once they are older."""
+    from types import SimpleNamespace
+
+    from greenswarm.node.swarm_view import SwarmView
+
+    reads: list[str] = []
+    dht = SimpleNamespace(get=lambda key, latest=False: reads.append(key) or None)
+    view = SwarmView(dht, "s", ME, poll_s=3600.0)  # the background's own read, at its start
+    try:
+        deadline = time.monotonic() + 5.0
+        while not math.isfinite(view.read_at) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(reads) == 1
+        for _ in range(20):
+            view.poll_if_older(3600.0)
+        assert len(reads) == 1
+        view.poll_if_older(0.0)
+        assert len(reads) == 2
     finally:
         view.close()
 

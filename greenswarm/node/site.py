@@ -664,10 +664,13 @@ class SiteNode:
         return [(r.site, r.tokens, r.plan) for r in self.swarm.view.others()]
 
     def _read_peers(self) -> None:
-        """Read the others' progress records now (a shared deadline plan's new decision), bounded as
-        the round's own read is (see :meth:`SwarmView.poll_now`)."""
+        """Read the others' progress records now (a shared deadline plan's new decision), unless the
+        view read them within a tenth of its poll period; bounded as the round's own read is (see
+        :meth:`SwarmView.poll_now`). (Each read is a DHT round trip: under a replay with short plan
+        steps, a read at every step would leave the loop little else to do.)"""
         if self.swarm is not None:
-            self.swarm.view.poll_now(timeout_s=self.cfg.node.swarm_poll_s)
+            poll_s = self.cfg.node.swarm_poll_s
+            self.swarm.view.poll_if_older(poll_s / 10.0, timeout_s=poll_s)
 
     def _slot_of(self, t: float) -> int:
         return int(t // self.cfg.averaging.sync_interval_s)

@@ -8,7 +8,9 @@ entering a window behind the swarm downloads that state first.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +47,7 @@ class SwarmView:
         self._unlike: list[ProgressRecord] = []  # live sites that train another model
         self._said_unlike: set[str] = set()
         self._lock = threading.Lock()
+        self.read_at = -math.inf  # time.monotonic() when the records now held began to be read
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm-view", daemon=True)
@@ -63,6 +66,7 @@ class SwarmView:
         its machine gone -- holds a DHT read for the DHT's own timeout (seconds), and a node reading at
         every round's boundary would lose that much training, and begin its round late, every round.
         (The DHT's process finishes the read given up; only the caller stops waiting.)"""
+        began = time.monotonic()
         try:
             records = fetch_records(self.dht, self.swarm, timeout_s)
         except TimeoutError:
@@ -90,6 +94,14 @@ class SwarmView:
         with self._lock:
             self._records = [r for r in records if r not in unlike and not self.revoked(r.peer_id)]
             self._unlike = unlike
+            self.read_at = max(self.read_at, began)
+
+    def poll_if_older(self, age_s: float, timeout_s: float | None = None) -> None:
+        """:meth:`poll_now`, unless the records held were read under ``age_s`` wall seconds ago: a
+        caller that asks at every decision of a fast replay (its steps a few wall milliseconds apart)
+        reads at most once per ``age_s``, not at every step."""
+        if time.monotonic() - self.read_at >= age_s:
+            self.poll_now(timeout_s)
 
     def refresh(self) -> None:
         """Ask for a poll now (e.g. right after a round, when others' records change)."""

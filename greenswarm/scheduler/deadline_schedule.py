@@ -134,10 +134,11 @@ class DeadlineSchedule:
         for a shared plan, the other sites' (their progress records), with how to read those afresh.
 
         ``peers`` may answer from a view polled in the background, a poll period old; a shared plan
-        calls ``refresh_peers`` before each new decision, so that it decides on the records as they
-        are at that moment. Under a replayed clock a poll period is hours of the trace: a site that
-        decided at its deadline on a view from before its partner's last step trained past the
-        deadline for a target already met (docs/testing.md row 95)."""
+        calls ``refresh_peers`` before it decides at each step of its grid, so that it decides on the
+        records as they are at that moment (the one decision made within a step, when a first
+        throughput is measured, reads the view as it is). Under a replayed clock a poll period is
+        hours of the trace: a site that decided at its deadline on a view from before its partner's
+        last step trained past the deadline for a target already met (docs/testing.md row 95)."""
         self.progress = progress
         if peers is not None:
             self.peers = peers
